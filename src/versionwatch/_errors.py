@@ -1,0 +1,45 @@
+"""Exceptions and warnings raised by versionwatch.
+
+Both errors subclass :class:`RuntimeError`, the type PyTorch raises, and keep
+PyTorch's own phrases, so ``except RuntimeError`` handlers and log searches for
+"modified by an inplace operation" keep working.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from versionwatch._report import Report
+
+
+class InplaceModificationError(RuntimeError):
+    """A tensor saved for backward was (or would be) modified by an inplace operation.
+
+    Attributes:
+        report: the full :class:`~versionwatch.Report`; ``report.hazards[0]`` is
+            the failure that backward would hit first.
+    """
+
+    def __init__(self, report: Report) -> None:
+        super().__init__(str(report))
+        self.report = report
+
+
+class FreedGraphError(RuntimeError):
+    """Backward would run through a graph whose saved tensors were already freed.
+
+    PyTorch's own text for this is "Trying to backward through the graph a second
+    time"; the message keeps that phrase.
+
+    Attributes:
+        report: the full :class:`~versionwatch.Report`.
+    """
+
+    def __init__(self, report: Report) -> None:
+        super().__init__(str(report))
+        self.report = report
+
+
+class InplaceHazardWarning(UserWarning):
+    """Issued instead of an error when a watcher runs with ``on_hazard="warn"``."""

@@ -1,0 +1,63 @@
+"""Display names for tensors: qualified parameter and buffer names."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Union
+
+import torch
+from torch import nn
+
+Names = Union[nn.Module, Mapping[str, nn.Module], Mapping[torch.Tensor, str]]
+
+
+def module_tensors(module: nn.Module, prefix: str = "") -> dict[int, tuple[str, torch.Tensor]]:
+    """``id(tensor) -> (qualified name, tensor)`` for a module's parameters and buffers.
+
+    A parameter shared by two submodules keeps its first name, as
+    ``named_parameters()`` reports it.
+    """
+    out: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, t in module.named_parameters(remove_duplicate=False):
+        out.setdefault(id(t), (prefix + name, t))
+    for name, t in module.named_buffers(remove_duplicate=False):
+        out.setdefault(id(t), (prefix + name, t))
+    return out
+
+
+def resolve_names(names: Names | None) -> dict[int, str]:
+    """Turn the ``names=`` argument of :func:`versionwatch.check` into ``id -> name``."""
+    if names is None:
+        return {}
+    if isinstance(names, nn.Module):
+        return {k: v[0] for k, v in module_tensors(names).items()}
+    if not isinstance(names, Mapping):
+        raise TypeError(
+            "names must be an nn.Module, a dict of named modules, or a dict from tensors "
+            f"to names; got {type(names).__name__}"
+        )
+    out: dict[int, str] = {}
+    for key, value in names.items():
+        if isinstance(key, str) and isinstance(value, nn.Module):
+            out.update({k: v[0] for k, v in module_tensors(value, key + ".").items()})
+        elif isinstance(key, torch.Tensor) and isinstance(value, str):
+            out[id(key)] = value
+        else:
+            raise TypeError(
+                "names must map str -> nn.Module or torch.Tensor -> str; got "
+                f"{type(key).__name__} -> {type(value).__name__}"
+            )
+    return out
+
+
+def name_of(t: torch.Tensor, names: Mapping[int, str]) -> tuple[str | None, bool]:
+    """The tensor's name and whether it is only a view of the named tensor."""
+    name = names.get(id(t))
+    if name is not None:
+        return name, False
+    base = t._base
+    if base is not None:
+        name = names.get(id(base))
+        if name is not None:
+            return name, True
+    return None, False

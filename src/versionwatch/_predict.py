@@ -1,0 +1,376 @@
+"""The predictor: what a backward would do, decided from the graph before it runs.
+
+The verdict for each saved tensor comes from PyTorch itself: unpacking a saved
+variable runs the very version check that backward runs, so a prediction can
+only disagree with backward about *which* nodes run, never about a tensor.
+Which nodes run, and in what order, follows ``torch/csrc/autograd/engine.cpp``:
+with ``inputs=`` only nodes on a path to an input execute, and the ready queue
+pops the highest sequence number first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+from collections.abc import Sequence
+from typing import Any, Literal, Union
+
+import torch
+from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import Node, get_gradient_edge
+
+from versionwatch._errors import FreedGraphError, InplaceModificationError
+from versionwatch._explain import fix_for
+from versionwatch._graph import Graph, lease
+from versionwatch._naming import Names, name_of, resolve_names
+from versionwatch._report import Hazard, Report
+
+TensorOrTensors = Union[torch.Tensor, Sequence[torch.Tensor]]
+Api = Literal["backward", "grad"]
+
+_VERSION_RE = re.compile(r"is at version (\d+); expected version (\d+) instead")
+_PRODUCER_RE = re.compile(r"which is output \d+ of (\w+)")
+_FREED = "backward through the graph a second time"
+_RAW_PREFIX = "_raw_saved_"
+_RAW_ATTRS: dict[type, tuple[str, ...]] = {}
+
+
+def _as_tensors(value: Any, what: str) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        raise TypeError(
+            f"{what} must be a tensor or a sequence of tensors; got {type(value).__name__}"
+        )
+    if len(value) == 0:
+        raise ValueError(f"{what} is empty: there is nothing to differentiate")
+    for i, t in enumerate(value):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}[{i}] must be a tensor; got {type(t).__name__}")
+    return list(value)
+
+
+def _root(t: torch.Tensor, i: int) -> Node:
+    fn = t.grad_fn
+    if fn is not None:
+        return fn
+    if not t.requires_grad:
+        raise ValueError(
+            f"outputs[{i}] does not require grad and has no grad_fn, so backward would fail "
+            f'with "element {i} of tensors does not require grad and does not have a '
+            'grad_fn". It was computed under torch.no_grad() or inference_mode(), '
+            "detached, or only from tensors that don't require grad."
+        )
+    return get_gradient_edge(t).node
+
+
+def _raw_attrs(fn: Node) -> tuple[str, ...]:
+    cls = type(fn)
+    attrs = _RAW_ATTRS.get(cls)
+    if attrs is None:
+        attrs = tuple(a[len(_RAW_PREFIX) :] for a in dir(fn) if a.startswith(_RAW_PREFIX))
+        _RAW_ATTRS[cls] = attrs
+    return attrs
+
+
+def _hooked(raw: Any) -> bool:
+    return getattr(raw, "unpack_hook", None) is not None
+
+
+class _Checker:
+    """Unpacks every saved tensor of the executed nodes and collects hazards."""
+
+    def __init__(self) -> None:
+        self.hazards: list[tuple[int, int, Hazard, torch.Tensor | None]] = []
+        self.unverifiable: list[tuple[str, str]] = []
+        self.checked = 0
+
+    def node(self, i: int, fn: Node) -> None:
+        if isinstance(fn, BackwardCFunction):
+            self._custom(i, fn)
+            return
+        for slot in _raw_attrs(fn):
+            try:
+                raw = getattr(fn, _RAW_PREFIX + slot)
+            except RuntimeError as e:
+                self._error(i, fn, slot, None, e)
+                continue
+            if raw is None:
+                continue
+            if isinstance(raw, (tuple, list)):
+                self._sequence(i, fn, slot, raw)
+            elif _hooked(raw):
+                self.unverifiable.append((fn.name(), slot))
+            else:
+                try:
+                    # The generated getter passes the node, which a saved
+                    # *output* needs to unpack; raw.unpack() cannot.
+                    getattr(fn, "_saved_" + slot)
+                    self.checked += 1
+                except RuntimeError as e:
+                    self._error(i, fn, slot, raw, e)
+
+    def _sequence(self, i: int, fn: Node, slot: str, raws: Sequence[Any]) -> None:
+        for k, raw in enumerate(raws):
+            if raw is None:
+                continue
+            if _hooked(raw):
+                self.unverifiable.append((fn.name(), f"{slot}[{k}]"))
+                continue
+            try:
+                raw.unpack()
+                self.checked += 1
+            except RuntimeError as e:
+                self._error(i, fn, f"{slot}[{k}]", raw, e)
+
+    def _custom(self, i: int, fn: Any) -> None:
+        try:
+            raws = fn._raw_saved_tensors
+        except RuntimeError as e:
+            self._error(i, fn, "saved_tensors", None, e)
+            return
+        if not raws:
+            return
+        if any(_hooked(r) for r in raws):
+            name = fn.name()
+            self.unverifiable += [(name, f"saved_tensors[{k}]") for k in range(len(raws))]
+            return
+        try:
+            # Unpacks in order with the node, as ctx.saved_tensors does in backward.
+            fn.saved_tensors
+            self.checked += len(raws)
+            return
+        except RuntimeError as e:
+            whole = e
+        found = False
+        outputs: list[int] = []
+        for k, raw in enumerate(raws):
+            try:
+                raw.unpack()
+            except RuntimeError as e:
+                if _VERSION_RE.search(str(e)):
+                    self._error(i, fn, f"saved_tensors[{k}]", raw, e)
+                    found = True
+                else:
+                    outputs.append(k)  # a saved output: only unpackable with the node
+        if not found:
+            k = outputs[0] if outputs else 0
+            self._error(i, fn, f"saved_tensors[{k}]", raws[k] if raws else None, whole)
+
+    def _error(self, i: int, fn: Node, slot: str, raw: Any, err: RuntimeError) -> None:
+        msg = str(err)
+        seq = len(self.hazards)
+        if _FREED in msg:
+            self.hazards.append((i, seq, Hazard(kind="freed", node=fn.name(), slot=slot), None))
+            return
+        m = _VERSION_RE.search(msg)
+        if m is None:
+            self.unverifiable.append((fn.name(), slot))
+            return
+        data = raw.data if raw is not None else None
+        if not isinstance(data, torch.Tensor):
+            data = None
+        producer_m = _PRODUCER_RE.search(msg)
+        h = Hazard(
+            kind="inplace",
+            node=fn.name(),
+            slot=slot,
+            current_version=int(m.group(1)),
+            saved_version=int(m.group(2)),
+            producer=producer_m.group(1) if producer_m else None,
+            saved_output=slot.startswith("result")
+            or (isinstance(fn, BackwardCFunction) and producer_m is not None
+                and fn.name().startswith(producer_m.group(1))),
+        )
+        if data is not None:
+            h.shape = tuple(data.shape)
+            h.dtype = str(data.dtype).removeprefix("torch.")
+            h.device = str(data.device)
+            h.requires_grad = data.requires_grad
+            base = data._base
+            if h.producer is not None and base is not None and base.is_leaf and base.requires_grad:
+                # A view of a parameter (``weight.t()`` inside F.linear): for the
+                # user it is the parameter that was modified.
+                h.producer = None
+                h.requires_grad = True
+        self.hazards.append((i, seq, h, data))
+
+
+def _executed(graph: Graph, targets: set[int] | None, accumulate: bool) -> list[bool]:
+    n = len(graph.nodes)
+    if targets is None:
+        return [True] * n
+    children = graph.children
+    needed = [False] * n
+    # engine.cpp init_to_execute: a node runs when a child runs or is captured;
+    # backward(inputs=) also runs the inputs' own nodes, grad() only captures there.
+    for i in reversed(graph.topological_order()):
+        need = accumulate and i in targets
+        if not need:
+            for c in children[i]:
+                if needed[c] or c in targets:
+                    need = True
+                    break
+        needed[i] = need
+    if len(graph.roots) == 1:
+        needed[graph.roots[0]] = True  # a single root skips GraphRoot and always runs
+    return needed
+
+
+def _execution_order(graph: Graph, executed: list[bool]) -> list[int]:
+    """Position of each node in the engine's order (-1: not run)."""
+    n = len(graph.nodes)
+    deps = [0] * n
+    for kids in graph.children:
+        for c in kids:
+            deps[c] += 1
+    heap: list[tuple[int, int, int]] = []
+    tick = 0
+
+    def release(kids: Sequence[int]) -> None:
+        nonlocal tick
+        for c in kids:
+            deps[c] -= 1
+            if deps[c] == 0 and executed[c]:
+                heapq.heappush(heap, (-graph.nodes[c]._sequence_nr(), tick, c))
+                tick += 1
+
+    if len(graph.roots) == 1:
+        heap.append((0, 0, graph.roots[0]))
+    else:
+        for r in graph.roots:
+            deps[r] += 1
+        release(graph.roots)
+    position = [-1] * n
+    k = 0
+    while heap:
+        _, _, i = heapq.heappop(heap)
+        position[i] = k
+        k += 1
+        release(graph.children[i])
+    return position
+
+
+def check(
+    outputs: TensorOrTensors,
+    *,
+    inputs: TensorOrTensors | None = None,
+    names: Names | None = None,
+    api: Api = "backward",
+) -> Report:
+    """Predict what a backward through ``outputs`` would do, without running it.
+
+    It reads every tensor that the backward would unpack and runs PyTorch's own
+    version check on it. It changes nothing: no tensor, no ``.grad``, no version.
+
+    Args:
+        outputs: the tensor(s) you would call backward on (``loss``).
+        inputs: as in ``torch.autograd.backward(..., inputs=)`` or
+            ``torch.autograd.grad(outputs, inputs)``: only nodes on a path to them run.
+        names: an ``nn.Module`` (its parameters and buffers are named by qualified
+            name), a dict of named modules (``{"G": gen}`` gives ``G.fc.weight``), or
+            a dict from tensors to names.
+        api: ``"backward"`` for ``Tensor.backward``/``torch.autograd.backward``,
+            ``"grad"`` for ``torch.autograd.grad``; they run different nodes when
+            ``inputs`` are not leaves.
+
+    Returns:
+        A :class:`Report`; ``report.hazards[0]`` is the error backward would raise.
+
+    Raises:
+        TypeError: ``outputs``, ``inputs`` or ``names`` is not what it should be.
+        ValueError: an output has no graph, an input does not require grad, or a
+            sequence is empty.
+
+    Example:
+        >>> import torch, versionwatch
+        >>> s = torch.tensor([2.0], requires_grad=True)
+        >>> w = torch.nn.Parameter(torch.tensor([4.0]))
+        >>> loss = (s * w).sum()
+        >>> with torch.no_grad():
+        ...     _ = w.add_(1.0)       # what optimizer.step() does
+        >>> report = versionwatch.check(loss, names={w: "w3"})
+        >>> h = report.hazards[0]
+        >>> (h.tensor, h.where, h.saved_version, h.current_version)
+        ('w3', 'MulBackward0.other', 0, 1)
+    """
+    outs = _as_tensors(outputs, "outputs")
+    ins = _as_tensors(inputs, "inputs") if inputs is not None else None
+    if api not in ("backward", "grad"):
+        raise ValueError(f'api must be "backward" or "grad"; got {api!r}')
+    name_map = resolve_names(names)
+    roots = [_root(t, i) for i, t in enumerate(outs)]
+    graph = Graph(roots)
+    try:
+        targets: set[int] | None = None
+        if ins is not None:
+            targets = set()
+            for k, t in enumerate(ins):
+                if not t.requires_grad:
+                    raise ValueError(f"inputs[{k}] does not require grad")
+                j = graph.index.get(get_gradient_edge(t).node)
+                if j is not None:
+                    targets.add(j)
+        executed = _executed(graph, targets, accumulate=api == "backward")
+        checker = _Checker()
+        for i, fn in enumerate(graph.nodes):
+            if executed[i]:
+                checker.node(i, fn)
+        report = Report(
+            unverifiable=checker.unverifiable,
+            nodes=sum(executed),
+            saved_checked=checker.checked,
+        )
+        if checker.hazards:
+            position = _execution_order(graph, executed)
+            checker.hazards.sort(key=lambda e: (position[e[0]], e[1]))
+            for i, _, h, data in checker.hazards:
+                h.order = position[i]
+                if data is not None:
+                    name, via_view = name_of(data, name_map)
+                    if name is not None:
+                        h.tensor = name + (" (through a view)" if via_view else "")
+                h.fix = fix_for(h)
+                report.hazards.append(h)
+    finally:
+        lease(graph, outs)
+    return report
+
+
+def raise_for(report: Report) -> None:
+    """Raise the error that backward would raise for ``report``'s first hazard."""
+    first = report.first
+    if first is None:
+        return
+    if first.kind == "freed":
+        raise FreedGraphError(report)
+    raise InplaceModificationError(report)
+
+
+def assert_backward_safe(
+    outputs: TensorOrTensors,
+    *,
+    inputs: TensorOrTensors | None = None,
+    names: Names | None = None,
+    api: Api = "backward",
+) -> None:
+    """Raise before backward runs if it would fail; return quietly if it would not.
+
+    Takes the arguments of :func:`check`.
+
+    Raises:
+        InplaceModificationError: a saved tensor was modified by an inplace operation.
+        FreedGraphError: the graph's saved tensors were freed by an earlier backward.
+
+    Example:
+        >>> import torch, versionwatch
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> y = torch.sigmoid(x)
+        >>> y += 1
+        >>> try:
+        ...     versionwatch.assert_backward_safe(y.sum())
+        ... except versionwatch.InplaceModificationError as e:
+        ...     print(e.report.hazards[0].where)
+        SigmoidBackward0.result
+    """
+    raise_for(check(outputs, inputs=inputs, names=names, api=api))

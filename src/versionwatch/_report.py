@@ -1,0 +1,206 @@
+"""The prediction's result: :class:`Hazard`, :class:`Report`, and their rendering.
+
+A report holds plain data only (names, shapes, versions, strings): never a
+tensor or an autograd node, so keeping one (or the exception that carries it)
+keeps no graph alive.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+HazardKind = Literal["inplace", "freed", "silent"]
+SCHEMA = "versionwatch.report/1"
+
+
+@dataclass(frozen=True)
+class Site:
+    """A place in the user's code: ``file:line`` and, when readable, the source line."""
+
+    file: str
+    line: int
+    code: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclass(frozen=True)
+class Modification:
+    """One event that moved a tensor's version between its save and the backward.
+
+    ``kind`` is ``"optimizer.step"``, ``"inplace_op"``, ``"between_events"`` or
+    ``"module_forward"``.
+    """
+
+    kind: str
+    description: str
+    site: Site | None = None
+    versions: tuple[int, int] | None = None
+
+    def __str__(self) -> str:
+        text = self.description
+        if self.site is not None:
+            text += f" at {self.site}"
+        if self.versions is not None:
+            text += f" (version {self.versions[0]} -> {self.versions[1]})"
+        return text
+
+
+@dataclass
+class Hazard:
+    """One saved tensor that backward would fail on (or, for ``silent``, compute wrongly from).
+
+    Attributes:
+        kind: ``"inplace"`` (version mismatch), ``"freed"`` (saved tensors already
+            released by an earlier backward) or ``"silent"`` (modified without a
+            version bump: PyTorch raises nothing and the gradients are wrong).
+        node: the autograd node that saved the tensor, e.g. ``"MulBackward0"``.
+        slot: which of the node's saved values: ``"other"``, ``"indices[1]"``,
+            ``"saved_tensors[0]"`` for a custom ``autograd.Function``.
+        saved_version: the version recorded when the forward saved the tensor.
+        current_version: the tensor's version now.
+        tensor: the tensor's display name (``"model.w3"``) if known.
+        shape, dtype, device: what the tensor is, when it is still readable.
+        producer: the op that produced the tensor when it is not a leaf
+            (``"Sigmoid"``), else ``None``.
+        saved_output: the node saved its own op's output (e.g. ``sigmoid``'s result).
+        requires_grad: whether the saved tensor itself requires grad (a parameter).
+        order: position of ``node`` in the backward's execution order (0 first).
+        module: qualified name of the module whose forward saved it, when a
+            watcher knows it.
+        modified_by: the events that moved the version, when a watcher knows them.
+        fix: a concrete fix for this case.
+        detected: ``"predicted"`` (before backward ran) or ``"after_error"``.
+    """
+
+    kind: HazardKind
+    node: str
+    slot: str
+    saved_version: int | None = None
+    current_version: int | None = None
+    tensor: str | None = None
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    device: str | None = None
+    producer: str | None = None
+    saved_output: bool = False
+    requires_grad: bool | None = None
+    order: int = 0
+    module: str | None = None
+    saved_during: str | None = None
+    modified_by: list[Modification] = field(default_factory=list)
+    fix: str = ""
+    detected: str = "predicted"
+
+    @property
+    def where(self) -> str:
+        """``Node.slot``, as in ``MulBackward0.other``."""
+        return f"{self.node}.{self.slot}"
+
+    def describe_tensor(self) -> str:
+        """The tensor's name if known, else its type, in the words the report uses."""
+        meta = ""
+        if self.dtype is not None and self.shape is not None:
+            meta = f"{self.dtype}{list(self.shape)}"
+            if self.device and self.device != "cpu":
+                meta += f" on {self.device}"
+        if self.tensor:
+            return f"{self.tensor} ({meta})" if meta else self.tensor
+        what = f"the output of {self.producer}" if self.producer else "a tensor"
+        if self.producer and self.saved_output:
+            what = f"the output of {self.producer} (saved by its own backward)"
+        return f"{what}, {meta}" if meta else what
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, as in the ``versionwatch.report/1`` schema."""
+        d = asdict(self)
+        d["tensor"] = self.tensor or self.describe_tensor()
+        d["shape"] = list(self.shape) if self.shape is not None else None
+        d["saved_by"] = self.node
+        del d["node"]
+        d["modified_by"] = [
+            {
+                "kind": m.kind,
+                "description": m.description,
+                "file": m.site.file if m.site else None,
+                "line": m.site.line if m.site else None,
+                **({"versions": list(m.versions)} if m.versions else {}),
+            }
+            for m in self.modified_by
+        ]
+        return d
+
+
+@dataclass
+class Report:
+    """What a backward would do, predicted before it runs.
+
+    ``str(report)`` gives the explanation: one headline, one fact a line, then a fix.
+
+    Attributes:
+        hazards: the failures, in the order the backward would meet them;
+            ``hazards[0]`` is the one PyTorch would raise.
+        unverifiable: ``(node, slot)`` of saved tensors behind user
+            ``saved_tensors_hooks`` (``save_on_cpu``, checkpointing, ...), which
+            the predictor never unpacks since that could run user code.
+        nodes: how many autograd nodes the backward would execute.
+        saved_checked: how many saved tensors were verified.
+        backward_site: the user's backward call, when a watcher knows it.
+
+    Example:
+        >>> import torch, versionwatch
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> y = x.sigmoid()
+        >>> _ = y.mul_(2)
+        >>> report = versionwatch.check(y.sum())
+        >>> report.ok, report.hazards[0].where
+        (False, 'SigmoidBackward0.result')
+    """
+
+    hazards: list[Hazard] = field(default_factory=list)
+    unverifiable: list[tuple[str, str]] = field(default_factory=list)
+    nodes: int = 0
+    saved_checked: int = 0
+    backward_site: Site | None = None
+    timeline: Any = None
+
+    @property
+    def ok(self) -> bool:
+        """True when backward is predicted to succeed (no hazard of any kind)."""
+        return not self.hazards
+
+    @property
+    def first(self) -> Hazard | None:
+        """The hazard backward meets first, or ``None``."""
+        return self.hazards[0] if self.hazards else None
+
+    def __str__(self) -> str:
+        from versionwatch._explain import render_report
+
+        return render_report(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data, schema ``versionwatch.report/1``."""
+        site = self.backward_site
+        hazards = []
+        for h in self.hazards:
+            d = h.to_dict()
+            d["backward_site"] = {"file": site.file, "line": site.line} if site else None
+            hazards.append(d)
+        timeline = self.timeline.to_dict() if self.timeline is not None else {}
+        return {
+            "schema": SCHEMA,
+            "ok": self.ok,
+            "hazards": hazards,
+            "unverifiable": [{"saved_by": n, "slot": s} for n, s in self.unverifiable],
+            "nodes": self.nodes,
+            "saved_checked": self.saved_checked,
+            "timeline": timeline,
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        """``json.dumps(self.to_dict())``; keyword arguments go to :func:`json.dumps`."""
+        return json.dumps(self.to_dict(), **kwargs)
