@@ -3,6 +3,8 @@
 from versionwatch._errors import FreedGraphError, InplaceHazardWarning, InplaceModificationError
 from versionwatch._predict import assert_backward_safe, check
 from versionwatch._report import Hazard, Modification, Report, Site
+from versionwatch._timeline import Timeline
+from versionwatch._watch import Watcher, watch
 
 __all__ = [
     "FreedGraphError",
@@ -12,7 +14,10 @@ __all__ = [
     "Modification",
     "Report",
     "Site",
+    "Timeline",
+    "Watcher",
     "assert_backward_safe",
     "check",
+    "watch",
 ]
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ _BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
 
 
 def op_name(node_or_producer: str) -> str:
-    """``"SigmoidBackward0"`` or ``"Sigmoid"`` -> ``"sigmoid"``; custom Functions keep their name."""
+    """``"SigmoidBackward0"`` or ``"Sigmoid"`` -> ``"sigmoid"``; custom Functions keep theirs."""
     base = _BACKWARD_SUFFIX.sub("", node_or_producer)
     return base.lower() if base.isalnum() and not base.startswith("_") else base
 
@@ -93,6 +93,8 @@ def _facts(h: Hazard) -> list[tuple[str, str]]:
         facts.append(("now at", f"version {h.current_version}"))
     for i, m in enumerate(h.modified_by):
         facts.append(("modified by" if i == 0 else "", str(m)))
+    for note in h.notes:
+        facts.append(("note", note))
     return facts
 
 

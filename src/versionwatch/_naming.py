@@ -18,10 +18,10 @@ def module_tensors(module: nn.Module, prefix: str = "") -> dict[int, tuple[str, 
     ``named_parameters()`` reports it.
     """
     out: dict[int, tuple[str, torch.Tensor]] = {}
-    for name, t in module.named_parameters(remove_duplicate=False):
-        out.setdefault(id(t), (prefix + name, t))
-    for name, t in module.named_buffers(remove_duplicate=False):
-        out.setdefault(id(t), (prefix + name, t))
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), (prefix + name, p))
+    for name, b in module.named_buffers(remove_duplicate=False):
+        out.setdefault(id(b), (prefix + name, b))
     return out
 
 

@@ -80,10 +80,12 @@ def _hooked(raw: Any) -> bool:
 class _Checker:
     """Unpacks every saved tensor of the executed nodes and collects hazards."""
 
-    def __init__(self) -> None:
+    def __init__(self, silent: dict[int, int] | None = None) -> None:
         self.hazards: list[tuple[int, int, Hazard, torch.Tensor | None]] = []
         self.unverifiable: list[tuple[str, str]] = []
         self.checked = 0
+        # id(tensor) -> sequence number after its last write that bumped no version.
+        self.silent = silent
 
     def node(self, i: int, fn: Node) -> None:
         if isinstance(fn, BackwardCFunction):
@@ -109,6 +111,23 @@ class _Checker:
                     self.checked += 1
                 except RuntimeError as e:
                     self._error(i, fn, slot, raw, e)
+                    continue
+                if self.silent:
+                    self._silent(i, fn, slot, raw)
+
+    def _silent(self, i: int, fn: Node, slot: str, raw: Any) -> None:
+        data = raw.data
+        if not isinstance(data, torch.Tensor):
+            return
+        written = self.silent.get(id(data)) if self.silent else None
+        if written is None and data._base is not None and self.silent:
+            written = self.silent.get(id(data._base))
+        if written is None or fn._sequence_nr() > written:
+            return
+        h = Hazard(kind="silent", node=fn.name(), slot=slot, saved_version=data._version,
+                   current_version=data._version, requires_grad=True)
+        h.shape, h.dtype, h.device = tuple(data.shape), _dtype(data), str(data.device)
+        self.hazards.append((i, len(self.hazards), h, data))
 
     def _sequence(self, i: int, fn: Node, slot: str, raws: Sequence[Any]) -> None:
         for k, raw in enumerate(raws):
@@ -137,7 +156,7 @@ class _Checker:
             return
         try:
             # Unpacks in order with the node, as ctx.saved_tensors does in backward.
-            fn.saved_tensors
+            _ = fn.saved_tensors
             self.checked += len(raws)
             return
         except RuntimeError as e:
@@ -184,7 +203,7 @@ class _Checker:
         )
         if data is not None:
             h.shape = tuple(data.shape)
-            h.dtype = str(data.dtype).removeprefix("torch.")
+            h.dtype = _dtype(data)
             h.device = str(data.device)
             h.requires_grad = data.requires_grad
             base = data._base
@@ -194,6 +213,10 @@ class _Checker:
                 h.producer = None
                 h.requires_grad = True
         self.hazards.append((i, seq, h, data))
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
 
 
 def _executed(graph: Graph, targets: set[int] | None, accumulate: bool) -> list[bool]:
@@ -294,11 +317,21 @@ def check(
         >>> (h.tensor, h.where, h.saved_version, h.current_version)
         ('w3', 'MulBackward0.other', 0, 1)
     """
-    outs = _as_tensors(outputs, "outputs")
-    ins = _as_tensors(inputs, "inputs") if inputs is not None else None
     if api not in ("backward", "grad"):
         raise ValueError(f'api must be "backward" or "grad"; got {api!r}')
-    name_map = resolve_names(names)
+    return predict(outputs, inputs, api, resolve_names(names))
+
+
+def predict(
+    outputs: TensorOrTensors,
+    inputs: TensorOrTensors | None,
+    api: Api,
+    name_map: dict[int, str],
+    silent: dict[int, int] | None = None,
+) -> Report:
+    """:func:`check` with names already resolved, and a watcher's silent writes."""
+    outs = _as_tensors(outputs, "outputs")
+    ins = _as_tensors(inputs, "inputs") if inputs is not None else None
     roots = [_root(t, i) for i, t in enumerate(outs)]
     graph = Graph(roots)
     try:
@@ -312,7 +345,7 @@ def check(
                 if j is not None:
                     targets.add(j)
         executed = _executed(graph, targets, accumulate=api == "backward")
-        checker = _Checker()
+        checker = _Checker(silent)
         for i, fn in enumerate(graph.nodes):
             if executed[i]:
                 checker.node(i, fn)
@@ -329,7 +362,8 @@ def check(
                 if data is not None:
                     name, via_view = name_of(data, name_map)
                     if name is not None:
-                        h.tensor = name + (" (through a view)" if via_view else "")
+                        h.tensor, h.view = name, via_view
+                        h.key = id(data._base if via_view else data)
                 h.fix = fix_for(h)
                 report.hazards.append(h)
     finally:

@@ -67,13 +67,16 @@ class Hazard:
         producer: the op that produced the tensor when it is not a leaf
             (``"Sigmoid"``), else ``None``.
         saved_output: the node saved its own op's output (e.g. ``sigmoid``'s result).
+        view: the node saved a view of the named tensor (``weight.t()`` in ``F.linear``).
         requires_grad: whether the saved tensor itself requires grad (a parameter).
         order: position of ``node`` in the backward's execution order (0 first).
         module: qualified name of the module whose forward saved it, when a
             watcher knows it.
         modified_by: the events that moved the version, when a watcher knows them.
+        notes: further facts a watcher knows (e.g. why a step updated the tensor).
         fix: a concrete fix for this case.
         detected: ``"predicted"`` (before backward ran) or ``"after_error"``.
+        key: ``id()`` of the named tensor (the base, for a view); internal.
     """
 
     kind: HazardKind
@@ -87,13 +90,16 @@ class Hazard:
     device: str | None = None
     producer: str | None = None
     saved_output: bool = False
+    view: bool = False
     requires_grad: bool | None = None
     order: int = 0
     module: str | None = None
     saved_during: str | None = None
     modified_by: list[Modification] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     fix: str = ""
     detected: str = "predicted"
+    key: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def where(self) -> str:
@@ -108,6 +114,8 @@ class Hazard:
             if self.device and self.device != "cpu":
                 meta += f" on {self.device}"
         if self.tensor:
+            if self.view:
+                return f"{self.tensor} (saved as a view of it, {meta})"
             return f"{self.tensor} ({meta})" if meta else self.tensor
         what = f"the output of {self.producer}" if self.producer else "a tensor"
         if self.producer and self.saved_output:
@@ -120,7 +128,7 @@ class Hazard:
         d["tensor"] = self.tensor or self.describe_tensor()
         d["shape"] = list(self.shape) if self.shape is not None else None
         d["saved_by"] = self.node
-        del d["node"]
+        del d["node"], d["key"]
         d["modified_by"] = [
             {
                 "kind": m.kind,

@@ -1,0 +1,31 @@
+"""What to do on a hazard: the ``on_hazard`` policy and its environment override."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Literal, Union
+
+from versionwatch._report import Report
+
+Policy = Union[Literal["raise", "warn", "log"], Callable[[Report], object]]
+POLICIES = ("raise", "warn", "log")
+ENV_VAR = "VERSIONWATCH_ON_HAZARD"
+
+
+def resolve_policy(on_hazard: Policy) -> Policy:
+    """The effective policy: ``$VERSIONWATCH_ON_HAZARD`` wins over the argument."""
+    env = os.environ.get(ENV_VAR)
+    if env:
+        if env not in POLICIES:
+            raise ValueError(
+                f"{ENV_VAR}={env!r} is not a valid policy; use one of: {', '.join(POLICIES)}"
+            )
+        return env  # type: ignore[return-value]
+    if callable(on_hazard):
+        return on_hazard
+    if on_hazard not in POLICIES:
+        raise ValueError(
+            f"on_hazard={on_hazard!r} is not a valid policy; use one of: "
+            f"{', '.join(POLICIES)}, or a callable that takes a Report"
+        )
+    return on_hazard

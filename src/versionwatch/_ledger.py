@@ -1,0 +1,179 @@
+"""The version ledger: every watched tensor's ``_version`` at every training event.
+
+A change between two events is attributed to the interval, or to the event
+itself when that event is what changes versions (an optimizer step, a module's
+forward). Memory is bounded: the last ``max_events`` events and, per tensor, the
+last ``max_history`` version changes. Tensors are held by weak reference.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from versionwatch._report import Hazard, Modification, Site
+
+
+@dataclass(frozen=True)
+class Event:
+    """One point of the training loop: ``forward #2``, ``SGD.step() #3``, ..."""
+
+    index: int
+    kind: str  # forward, forward_end, backward, backward_end, step, zero_grad
+    label: str
+    site: Site | None = None
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A tensor's version moved from ``old`` to ``new`` (equal for a silent write)."""
+
+    old: int
+    new: int
+    event: int  # index of the event at (or before) which it was seen
+    modification: Modification
+    note: str = ""
+
+
+class Tracked:
+    """One watched tensor: its name, a weak reference, and its version history."""
+
+    __slots__ = ("grad_mark", "history", "last", "name", "ref")
+
+    def __init__(self, name: str, t: torch.Tensor, max_history: int) -> None:
+        self.name = name
+        self.ref: weakref.ref[torch.Tensor] = weakref.ref(t)
+        self.last = t._version
+        self.history: deque[Transition] = deque(maxlen=max_history)
+        # (set_to_none, id of .grad, .grad._version) right after the last zero_grad.
+        self.grad_mark: tuple[bool, int | None, int] | None = None
+
+
+class Ledger:
+    """Versions of the watched tensors at each event."""
+
+    def __init__(self, max_events: int = 512, max_history: int = 256) -> None:
+        self.tracked: dict[int, Tracked] = {}
+        self.by_name: dict[str, Tracked] = {}
+        self.events: deque[Event] = deque(maxlen=max_events)
+        self.versions: deque[dict[int, int]] = deque(maxlen=max_events)
+        self.max_history = max_history
+        self.count = 0
+
+    # -- tensors -------------------------------------------------------------------
+    def track(self, name: str, t: torch.Tensor) -> None:
+        if id(t) in self.tracked and self.tracked[id(t)].ref() is t:
+            return
+        tr = Tracked(name, t, self.max_history)
+        self.tracked[id(t)] = tr
+        self.by_name[name] = tr
+
+    def names(self) -> dict[int, str]:
+        return {k: tr.name for k, tr in self.tracked.items()}
+
+    # -- events --------------------------------------------------------------------
+    @property
+    def last_event(self) -> Event | None:
+        return self.events[-1] if self.events else None
+
+    def sync(self, upcoming: str, site: Site | None = None) -> None:
+        """Attribute changes since the last event to the interval before ``upcoming``."""
+        self._scan(None, upcoming, site)
+
+    def record(
+        self,
+        kind: str,
+        label: str,
+        site: Site | None = None,
+        cause: Modification | None = None,
+        notes: dict[int, str] | None = None,
+    ) -> Event:
+        """Add an event; changes since the last one go to ``cause`` or to the interval."""
+        self.count += 1
+        event = Event(self.count, kind, label, site)
+        versions = self._scan(cause, label, site, notes)
+        self.events.append(event)
+        self.versions.append(versions)
+        return event
+
+    def _scan(
+        self,
+        cause: Modification | None,
+        upcoming: str,
+        site: Site | None,
+        notes: dict[int, str] | None = None,
+    ) -> dict[int, int]:
+        versions: dict[int, int] = {}
+        dead = []
+        for key, tr in self.tracked.items():
+            t = tr.ref()
+            if t is None:
+                dead.append(key)
+                continue
+            v = t._version
+            versions[key] = v
+            if v != tr.last:
+                mod = cause or self._between(upcoming, site)
+                tr.history.append(
+                    Transition(tr.last, v, self.count, mod, (notes or {}).get(key, ""))
+                )
+                tr.last = v
+        for key in dead:
+            tr = self.tracked.pop(key)
+            if self.by_name.get(tr.name) is tr:
+                del self.by_name[tr.name]
+        return versions
+
+    def _between(self, upcoming: str, site: Site | None) -> Modification:
+        prev = self.last_event
+        if prev is None:
+            return Modification("between_events", f"before {upcoming}", site)
+        where = f" ({prev.site})" if prev.site else ""
+        here = f" ({site})" if site else ""
+        return Modification("between_events", f"between {prev.label}{where} and {upcoming}{here}")
+
+    def silent(self, t: torch.Tensor, mod: Modification, note: str = "") -> None:
+        """A write that did not bump the version (a fused optimizer kernel)."""
+        tr = self.tracked.get(id(t))
+        if tr is not None:
+            tr.history.append(Transition(t._version, t._version, self.count, mod, note))
+
+    # -- blame ---------------------------------------------------------------------
+    def blame(self, h: Hazard, key: int) -> None:
+        """Fill ``h.modified_by`` and ``h.saved_during`` from the history of tensor ``key``."""
+        tr = self.tracked.get(key)
+        if tr is None or h.saved_version is None or h.current_version is None:
+            return
+        saved, now = h.saved_version, h.current_version
+        began, left = 0, None
+        for tn in tr.history:
+            if tn.new == saved and tn.old != saved:
+                began, left = tn.event, None
+            if tn.old == saved and tn.new != saved and left is None:
+                left = tn.event
+            silent = tn.old == tn.new
+            if silent and h.kind == "silent" and tn.new == saved:
+                h.modified_by.append(tn.modification)
+            elif not silent and saved <= tn.old and tn.new <= now:
+                m = tn.modification
+                h.modified_by.append(Modification(m.kind, m.description, m.site, (tn.old, tn.new)))
+            else:
+                continue
+            if tn.note and tn.note not in h.notes:
+                h.notes.append(tn.note)
+        for ev in reversed(self.events):
+            if ev.kind == "forward" and ev.index >= began and (left is None or ev.index < left):
+                h.saved_during = ev.label + (f" at {ev.site}" if ev.site else "")
+                break
+
+    def table(self, keys: list[int]) -> list[tuple[Event, list[int | None]]]:
+        return [
+            (ev, [vs.get(k) for k in keys]) for ev, vs in zip(self.events, self.versions)
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"events": [ev.label for ev in self.events]}

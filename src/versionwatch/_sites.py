@@ -1,0 +1,66 @@
+"""Finding the user's line: the first frame outside torch and the training libraries."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from types import FrameType
+
+import torch
+
+from versionwatch._report import Site
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(p)) + os.sep
+    for p in (torch.__file__, __file__)
+)
+# Frames of these packages are skipped too, so that GradScaler, Accelerate's
+# accelerator.backward and Lightning's manual_backward blame the user's line.
+_LIBRARY_PARTS = (
+    f"{os.sep}lightning{os.sep}",
+    f"{os.sep}pytorch_lightning{os.sep}",
+    f"{os.sep}lightning_fabric{os.sep}",
+    f"{os.sep}accelerate{os.sep}",
+    f"{os.sep}contextlib.py",
+    f"{os.sep}_pytest{os.sep}",
+    f"{os.sep}pluggy{os.sep}",
+)
+_is_library: dict[str, bool] = {}
+
+
+def is_library(filename: str) -> bool:
+    hit = _is_library.get(filename)
+    if hit is None:
+        path = os.path.abspath(filename)
+        hit = path.startswith(_LIBRARY_DIRS) or any(p in path for p in _LIBRARY_PARTS)
+        _is_library[filename] = hit
+    return hit
+
+
+def user_frame(skip: int = 1) -> tuple[FrameType | None, int]:
+    """The first frame outside the libraries, and how many frames up it is."""
+    frame: FrameType | None = sys._getframe(skip)
+    level = skip
+    while frame is not None and is_library(frame.f_code.co_filename):
+        frame = frame.f_back
+        level += 1
+    return frame, level
+
+
+def user_site(skip: int = 2) -> Site | None:
+    """``file:line`` (and the source line) of the user's code that called into us."""
+    frame, _ = user_frame(skip)
+    if frame is None:
+        return None
+    filename = frame.f_code.co_filename
+    line = frame.f_lineno
+    return Site(_short(filename), line, linecache.getline(filename, line).strip())
+
+
+def _short(filename: str) -> str:
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:
+        return filename
+    return filename if rel.startswith("..") else rel

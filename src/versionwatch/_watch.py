@@ -1,0 +1,539 @@
+"""``watch()``: the training-loop watcher.
+
+While a watcher is open, every ``Tensor.backward``, ``torch.autograd.backward``
+and ``torch.autograd.grad`` call is predicted before it runs (these three cover
+GradScaler, Accelerate's ``accelerator.backward`` and Lightning's manual
+backward, which all end in ``torch.autograd.backward``). Root-module forward
+hooks, optimizer step hooks and ``zero_grad`` feed the :class:`Ledger`, which
+turns a hazard's two version numbers into the events that moved them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from versionwatch._config import Policy, resolve_policy
+from versionwatch._errors import InplaceHazardWarning
+from versionwatch._explain import fix_for
+from versionwatch._ledger import Ledger
+from versionwatch._naming import module_tensors
+from versionwatch._predict import _VERSION_RE, predict, raise_for
+from versionwatch._report import Hazard, Modification, Report, Site
+from versionwatch._sites import user_frame, user_site
+from versionwatch._timeline import Timeline
+
+logger = logging.getLogger("versionwatch")
+
+_LOCK = threading.RLock()
+_LOCAL = threading.local()
+_ACTIVE: list[Watcher] = []
+_ORIGINAL: dict[str, Any] = {}
+_GLOBAL_HANDLES: list[RemovableHandle] = []
+
+
+def _stack() -> list[Watcher]:
+    stack: list[Watcher] | None = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    return stack
+
+
+def _current() -> Watcher | None:
+    """The innermost watcher of this thread, else the newest one of any thread."""
+    if getattr(_LOCAL, "busy", False):
+        return None
+    stack = _stack()
+    if stack:
+        return stack[-1]
+    with _LOCK:
+        return _ACTIVE[-1] if _ACTIVE else None
+
+
+def _add_note(err: BaseException, text: str) -> None:
+    if hasattr(err, "add_note"):
+        err.add_note(text)
+    else:  # Python < 3.11
+        err.__notes__ = [*getattr(err, "__notes__", []), text]
+
+
+# -- the process-wide patches, installed while any watcher is open ------------------
+
+def _backward(*args: Any, **kwargs: Any) -> Any:
+    original = _ORIGINAL["backward"]
+    w = _current()
+    if w is None:
+        return original(*args, **kwargs)
+    tensors = args[0] if args else kwargs.get("tensors")
+    inputs = args[5] if len(args) > 5 else kwargs.get("inputs")
+    return w._run_backward("backward", tensors, inputs, lambda: original(*args, **kwargs))
+
+
+def _grad(*args: Any, **kwargs: Any) -> Any:
+    original = _ORIGINAL["grad"]
+    w = _current()
+    if w is None:
+        return original(*args, **kwargs)
+    outputs = args[0] if args else kwargs.get("outputs")
+    inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+    return w._run_backward("grad", outputs, inputs, lambda: original(*args, **kwargs))
+
+
+def _zero_grad(self: Optimizer, set_to_none: bool = True) -> None:
+    _ORIGINAL["zero_grad"](self, set_to_none)
+    w = _current()
+    if w is not None:
+        w._on_zero_grad(self, set_to_none)
+
+
+def _step_pre(opt: Optimizer, args: Any, kwargs: Any) -> None:
+    w = _current()
+    if w is not None:
+        w._on_step_pre(opt)
+
+
+def _step_post(opt: Optimizer, args: Any, kwargs: Any) -> None:
+    w = _current()
+    if w is not None:
+        w._on_step_post(opt)
+
+
+def _install() -> None:
+    import torch.autograd as autograd
+
+    _ORIGINAL["backward"] = autograd.backward
+    _ORIGINAL["grad"] = autograd.grad
+    _ORIGINAL["zero_grad"] = Optimizer.zero_grad
+    autograd.backward = _backward
+    autograd.grad = _grad
+    Optimizer.zero_grad = _zero_grad  # type: ignore[method-assign]
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    _GLOBAL_HANDLES.append(register_optimizer_step_pre_hook(_step_pre))
+    _GLOBAL_HANDLES.append(register_optimizer_step_post_hook(_step_post))
+
+
+def _uninstall() -> None:
+    import torch.autograd as autograd
+
+    autograd.backward = _ORIGINAL.pop("backward")
+    autograd.grad = _ORIGINAL.pop("grad")
+    Optimizer.zero_grad = _ORIGINAL.pop("zero_grad")  # type: ignore[method-assign]
+    while _GLOBAL_HANDLES:
+        _GLOBAL_HANDLES.pop().remove()
+
+
+def _seq_clock() -> int:
+    """The autograd sequence number now: nodes made before have a smaller one."""
+    with torch.enable_grad():
+        probe = torch.empty(0, requires_grad=True).view(0)
+    fn = probe.grad_fn
+    assert fn is not None
+    return int(fn._sequence_nr())
+
+
+def _variable_name(module: nn.Module, skip: int) -> str:
+    frame, _ = user_frame(skip)
+    if frame is not None:
+        for name, value in frame.f_locals.items():
+            if value is module and not name.startswith("_"):
+                return name
+    return type(module).__name__
+
+
+_Pending = tuple[str, Optional[Site], list[tuple[torch.Tensor, int]], dict[int, str]]
+
+
+class _OptimizerState:
+    __slots__ = ("label", "pending", "ref", "steps")
+
+    def __init__(self, opt: Optimizer, label: str) -> None:
+        self.ref = weakref.ref(opt)
+        self.label = label
+        self.steps = 0
+        self.pending: _Pending | None = None
+
+
+class Watcher:
+    """Watches modules and optimizers; predicts and explains every backward.
+
+    Create it with :func:`watch`. It is active from creation until :meth:`close`
+    (or the end of its ``with`` block).
+
+    Attributes:
+        reports: the recent reports that had hazards (at most 100).
+        ledger: the version ledger.
+    """
+
+    def __init__(
+        self,
+        modules: Mapping[str, nn.Module],
+        optimizers: tuple[Optimizer, ...],
+        on_hazard: Policy,
+        *,
+        prefix: bool,
+    ) -> None:
+        self.policy = resolve_policy(on_hazard)
+        self.ledger = Ledger()
+        self.reports: deque[Report] = deque(maxlen=100)
+        self._names: dict[int, str] = {}
+        self._roots: dict[str, weakref.ref[nn.Module]] = {}
+        self._forwards: dict[str, int] = {}
+        self._handles: list[RemovableHandle] = []
+        self._optimizers: dict[int, _OptimizerState] = {}
+        self._silent: dict[int, int] = {}
+        self._backwards = 0
+        self._closed = False
+        self._thread_stack = _stack()
+        self._prefix = prefix
+        with _LOCK:
+            for name, module in modules.items():
+                for other in _ACTIVE:
+                    if any(r() is module for r in other._roots.values()):
+                        raise ValueError(
+                            f"module {name!r} ({type(module).__name__}) is already watched by "
+                            "an open watcher; close that one first"
+                        )
+            try:
+                for name, module in modules.items():
+                    self._add_root(name, module)
+                for opt in optimizers:
+                    self._add_optimizer(opt, explicit=True)
+            except BaseException:
+                self._remove_hooks()
+                raise
+            if not _ACTIVE:
+                _install()
+            _ACTIVE.append(self)
+        self._thread_stack.append(self)
+
+    # -- setup -----------------------------------------------------------------------
+    def _add_root(self, name: str, module: nn.Module) -> None:
+        self._roots[name] = weakref.ref(module)
+        self._forwards[name] = 0
+        for key, (qual, t) in module_tensors(module, name + ".").items():
+            if key not in self._names:
+                self._names[key] = qual
+                self.ledger.track(qual, t)
+        self._handles.append(module.register_forward_pre_hook(self._forward_hook(name, True)))
+        self._handles.append(
+            module.register_forward_hook(self._forward_hook(name, False), always_call=True)
+        )
+
+    def _forward_hook(self, root: str, pre: bool) -> Callable[..., None]:
+        ref = weakref.ref(self)
+
+        def hook(module: nn.Module, *args: Any) -> None:
+            w = ref()
+            if w is not None and not w._closed:
+                w._on_forward(root, pre)
+
+        return hook
+
+    def _label(self, root: str, n: int) -> str:
+        return f"forward #{n}" if len(self._roots) == 1 else f"{root}.forward #{n}"
+
+    def _add_optimizer(self, opt: Optimizer, explicit: bool) -> _OptimizerState | None:
+        if not isinstance(opt, Optimizer):
+            raise TypeError(f"watch() takes torch.optim optimizers; got {type(opt).__name__}")
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if not any(id(p) in self._names for p in params):
+            if explicit:
+                raise ValueError(
+                    f"none of {type(opt).__name__}'s parameters belong to the watched modules; "
+                    "pass the modules it optimizes to watch()"
+                )
+            return None
+        cls = type(opt).__name__
+        same = sum(1 for s in self._optimizers.values() if s.label.startswith(cls))
+        state = _OptimizerState(opt, cls if same == 0 else f"{cls}[{same}]")
+        self._optimizers[id(opt)] = state
+        return state
+
+    def _optimizer(self, opt: Optimizer) -> _OptimizerState | None:
+        state = self._optimizers.get(id(opt))
+        if state is not None and state.ref() is opt:
+            return state
+        return self._add_optimizer(opt, explicit=False)
+
+    def _watched_params(self, opt: Optimizer) -> list[torch.Tensor]:
+        out = []
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if id(p) not in self._names:
+                    self._adopt(p)  # e.g. add_param_group after watch() began
+                if id(p) in self._names:
+                    out.append(p)
+        return out
+
+    def _adopt(self, p: torch.Tensor) -> None:
+        for root, ref in self._roots.items():
+            module = ref()
+            if module is None:
+                continue
+            found = module_tensors(module, root + ".").get(id(p))
+            if found is not None:
+                self._names[id(p)] = found[0]
+                self.ledger.track(found[0], p)
+                return
+
+    # -- events ----------------------------------------------------------------------
+    def _on_forward(self, root: str, pre: bool) -> None:
+        if pre:
+            self._forwards[root] += 1
+            n = self._forwards[root]
+            self.ledger.record("forward", self._label(root, n), user_site(3))
+        else:
+            label = self._label(root, self._forwards[root])
+            self.ledger.record(
+                "forward_end", f"{label} end", None,
+                cause=Modification("module_forward", f"during {label} of {root}"),
+            )
+
+    def _on_zero_grad(self, opt: Optimizer, set_to_none: bool) -> None:
+        state = self._optimizer(opt)
+        if state is None:
+            return
+        for p in self._watched_params(opt):
+            tr = self.ledger.tracked.get(id(p))
+            if tr is not None:
+                g = p.grad
+                tr.grad_mark = (set_to_none, None if g is None else id(g),
+                                0 if g is None else g._version)
+        self.ledger.record("zero_grad", f"{state.label}.zero_grad(set_to_none={set_to_none})",
+                           user_site(3))
+
+    def _on_step_pre(self, opt: Optimizer) -> None:
+        state = self._optimizer(opt)
+        if state is None:
+            return
+        state.steps += 1
+        label = f"{state.label}.step() #{state.steps}"
+        site = user_site(3)
+        self.ledger.sync(label, site)
+        touched, notes = [], {}
+        for p in self._watched_params(opt):
+            g = p.grad
+            if g is None:
+                continue
+            touched.append((p, p._version))
+            tr = self.ledger.tracked[id(p)]
+            mark = tr.grad_mark
+            if mark is not None and not mark[0] and mark[1] == id(g) and mark[2] == g._version:
+                notes[id(p)] = (
+                    f"no backward since the last zero_grad() wrote a gradient for {tr.name}: "
+                    "its .grad was the zero tensor that zero_grad(set_to_none=False) left "
+                    f"behind, and {state.label}.step() updates every parameter whose .grad "
+                    "is not None"
+                )
+        state.pending = (label, site, touched, notes)
+
+    def _on_step_post(self, opt: Optimizer) -> None:
+        state = self._optimizer(opt)
+        if state is None or state.pending is None:
+            return
+        label, site, touched, notes = state.pending
+        state.pending = None
+        self.ledger.record("step", label, site, cause=Modification("optimizer.step", label, site),
+                           notes=notes)
+        if any(g.get("fused") for g in opt.param_groups):
+            # Fused kernels update parameters in place without bumping _version.
+            clock = None
+            for p, v in touched:
+                if p._version == v:
+                    clock = clock if clock is not None else _seq_clock()
+                    self._silent[id(p)] = clock
+                    self.ledger.silent(
+                        p, Modification("optimizer.step", f"{label} (fused: no version bump)", site)
+                    )
+
+    # -- backward --------------------------------------------------------------------
+    def _run_backward(self, api: str, outputs: Any, inputs: Any, call: Callable[[], Any]) -> Any:
+        site = user_site(3)
+        self._backwards += 1
+        n = self._backwards
+        self.ledger.record("backward", f"backward #{n}", site)
+        _LOCAL.busy = True
+        try:
+            try:
+                report: Report | None = predict(outputs, inputs, api, self._names,  # type: ignore[arg-type]
+                                                self._silent or None)
+            except (TypeError, ValueError):
+                report = None  # PyTorch will say what is wrong with the arguments
+            if report is not None:
+                report.backward_site = site
+                if not report.ok:
+                    self._explain(report)
+                    self._dispatch(report)
+            try:
+                return call()
+            except RuntimeError as e:
+                self._after_error(e, report)
+                raise
+        finally:
+            _LOCAL.busy = False
+            self.ledger.record("backward_end", f"backward #{n} end", None,
+                               cause=Modification("backward", f"during backward #{n}"))
+
+    def _explain(self, report: Report) -> None:
+        for h in report.hazards:
+            if h.key is not None:
+                self.ledger.blame(h, h.key)
+            h.fix = fix_for(h)
+        report.timeline = self.timeline(report=report)
+        self.reports.append(report)
+
+    def _dispatch(self, report: Report) -> None:
+        policy = self.policy
+        if policy == "raise":
+            raise_for(report)
+        elif policy == "warn":
+            _, level = user_frame(1)
+            warnings.warn(str(report), InplaceHazardWarning, stacklevel=level)
+        elif policy == "log":
+            logger.warning("%s", report)
+        elif callable(policy):
+            policy(report)
+
+    def _after_error(self, err: RuntimeError, report: Report | None) -> None:
+        msg = str(err)
+        if report is not None and not report.ok:
+            _add_note(err, f"versionwatch predicted this before backward ran:\n{report}")
+            return
+        m = _VERSION_RE.search(msg)
+        if m is None:
+            return
+        now, saved = int(m.group(1)), int(m.group(2))
+        h = Hazard(kind="inplace", node="(unknown node)", slot="?", saved_version=saved,
+                   current_version=now, detected="after_error")
+        candidates = [
+            (k, tr) for k, tr in self.ledger.tracked.items()
+            if tr.last == now and any(t.old <= saved < t.new for t in tr.history)
+        ]
+        if len(candidates) == 1:
+            key, tr = candidates[0]
+            h.tensor, h.key, h.requires_grad = tr.name, key, True
+            self.ledger.blame(h, key)
+        h.fix = fix_for(h)
+        late = Report(hazards=[h], backward_site=report.backward_site if report else None)
+        self.reports.append(late)
+        _add_note(err, f"versionwatch explains (PyTorch raised, unpredicted):\n{late}")
+
+    # -- public ----------------------------------------------------------------------
+    def timeline(self, *names: str, report: Report | None = None) -> Timeline:
+        """The version history of watched tensors, as a table of events.
+
+        Args:
+            *names: tensors to show (qualified names, e.g. ``"model.w3"``). By
+                default: the tensors involved in hazards, else the first eight.
+            report: mark this report's saved versions (default: the latest).
+        """
+        report = report or (self.reports[-1] if self.reports else None)
+        hazards = report.hazards if report is not None else []
+        cols = list(names) or list(dict.fromkeys(
+            self.ledger.tracked[h.key].name for h in hazards
+            if h.key is not None and h.key in self.ledger.tracked
+        ))
+        if not cols:
+            cols = [tr.name for tr in list(self.ledger.tracked.values())[:8]]
+        unknown = [c for c in cols if c not in self.ledger.by_name]
+        if unknown:
+            raise KeyError(f"not watched: {', '.join(unknown)}; watched are e.g. "
+                           f"{', '.join(list(self.ledger.by_name)[:5])}")
+        keys = [id(self.ledger.by_name[c].ref()) for c in cols]
+        saved = {
+            (self.ledger.by_name[h.tensor].name, h.saved_version): h.saved_during or ""
+            for h in hazards if h.tensor in self.ledger.by_name
+        }
+        return Timeline(cols, self.ledger.table(keys), saved)
+
+    def close(self) -> None:
+        """Remove every hook and patch. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._remove_hooks()
+        with _LOCK:
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+                if not _ACTIVE:
+                    _uninstall()
+        if self in self._thread_stack:
+            self._thread_stack.remove(self)
+
+    def _remove_hooks(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and not sys.is_finalizing():
+            self.close()
+
+
+def watch(
+    modules: nn.Module | Mapping[str, nn.Module],
+    *optimizers: Optimizer,
+    on_hazard: Policy = "raise",
+) -> Watcher:
+    """Watch modules (and optimizers): predict and explain every backward.
+
+    Args:
+        modules: one ``nn.Module`` (named after the variable that holds it, e.g.
+            ``model``, else its class), or a dict of named modules (``{"G": gen}``
+            names tensors ``G.fc.weight``).
+        *optimizers: optional; optimizers that step watched parameters are found
+            on their first ``step()`` or ``zero_grad()`` anyway.
+        on_hazard: ``"raise"`` (an :class:`InplaceModificationError` before
+            backward runs), ``"warn"`` (an :class:`InplaceHazardWarning` at your
+            backward call), ``"log"`` (the ``versionwatch`` logger), or a callable
+            that takes the :class:`Report`. ``$VERSIONWATCH_ON_HAZARD`` overrides it.
+
+    Returns:
+        A :class:`Watcher`, active until closed; use it as a context manager.
+
+    Example:
+        >>> import torch, versionwatch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with versionwatch.watch(model, opt) as w:
+        ...     loss = model(torch.ones(1, 2)).sum()
+        ...     loss.backward(retain_graph=True)
+        ...     opt.step()
+        ...     try:
+        ...         loss.backward()
+        ...     except versionwatch.InplaceModificationError as e:
+        ...         print(e.report.hazards[0].modified_by[0].description)
+        SGD.step() #1
+    """
+    if isinstance(modules, nn.Module):
+        named = {_variable_name(modules, 2): modules}
+    elif isinstance(modules, Mapping) and modules and all(
+        isinstance(k, str) and isinstance(v, nn.Module) for k, v in modules.items()
+    ):
+        named = dict(modules)
+    else:
+        raise TypeError(
+            "watch() takes an nn.Module or a non-empty dict of named modules; "
+            f"got {type(modules).__name__}"
+        )
+    return Watcher(named, optimizers, on_hazard, prefix=True)
