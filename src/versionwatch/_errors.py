@@ -21,6 +21,8 @@ class InplaceModificationError(RuntimeError):
             the failure that backward would hit first.
     """
 
+    __module__ = "versionwatch"
+
     def __init__(self, report: Report) -> None:
         super().__init__(str(report))
         self.report = report
@@ -36,6 +38,8 @@ class FreedGraphError(RuntimeError):
         report: the full :class:`~versionwatch.Report`.
     """
 
+    __module__ = "versionwatch"
+
     def __init__(self, report: Report) -> None:
         super().__init__(str(report))
         self.report = report
@@ -43,3 +47,5 @@ class FreedGraphError(RuntimeError):
 
 class InplaceHazardWarning(UserWarning):
     """Issued instead of an error when a watcher runs with ``on_hazard="warn"``."""
+
+    __module__ = "versionwatch"

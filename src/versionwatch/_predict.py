@@ -274,6 +274,31 @@ def _execution_order(graph: Graph, executed: list[bool]) -> list[int]:
     return position
 
 
+def _parents(graph: Graph) -> list[int]:
+    """A BFS parent of each node (-1 for roots), for the path shown in pictures."""
+    parent = [-2] * len(graph.nodes)
+    queue = list(dict.fromkeys(graph.roots))
+    for r in queue:
+        parent[r] = -1
+    k = 0
+    while k < len(queue):
+        i = queue[k]
+        k += 1
+        for c in graph.children[i]:
+            if parent[c] == -2:
+                parent[c] = i
+                queue.append(c)
+    return parent
+
+
+def _path_to(graph: Graph, parent: list[int], i: int) -> list[str]:
+    path = []
+    while i >= 0:
+        path.append(graph.nodes[i].name())
+        i = parent[i]
+    return path[::-1]
+
+
 def check(
     outputs: TensorOrTensors,
     *,
@@ -357,8 +382,10 @@ def predict(
         if checker.hazards:
             position = _execution_order(graph, executed)
             checker.hazards.sort(key=lambda e: (position[e[0]], e[1]))
+            parents = _parents(graph)
             for i, _, h, data in checker.hazards:
                 h.order = position[i]
+                h.path = _path_to(graph, parents, i)
                 if data is not None:
                     name, via_view = name_of(data, name_map)
                     if name is not None:
@@ -373,6 +400,7 @@ def predict(
 
 def raise_for(report: Report) -> None:
     """Raise the error that backward would raise for ``report``'s first hazard."""
+    __tracebackhide__ = True  # pytest shows the user's frames, not ours
     first = report.first
     if first is None:
         return
@@ -407,4 +435,5 @@ def assert_backward_safe(
         ...     print(e.report.hazards[0].where)
         SigmoidBackward0.result
     """
+    __tracebackhide__ = True
     raise_for(check(outputs, inputs=inputs, names=names, api=api))

@@ -74,6 +74,7 @@ class Hazard:
             watcher knows it.
         modified_by: the events that moved the version, when a watcher knows them.
         notes: further facts a watcher knows (e.g. why a step updated the tensor).
+        path: node names from the backward's root down to ``node``.
         fix: a concrete fix for this case.
         detected: ``"predicted"`` (before backward ran) or ``"after_error"``.
         key: ``id()`` of the named tensor (the base, for a view); internal.
@@ -97,6 +98,7 @@ class Hazard:
     saved_during: str | None = None
     modified_by: list[Modification] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    path: list[str] = field(default_factory=list)
     fix: str = ""
     detected: str = "predicted"
     key: int | None = field(default=None, repr=False, compare=False)
@@ -208,6 +210,21 @@ class Report:
             "saved_checked": self.saved_checked,
             "timeline": timeline,
         }
+
+    def to_dot(self) -> str:
+        """Graphviz DOT: the path from the backward's root to each stale saved tensor.
+
+        The saving node is red; the tensor box shows its name and both versions;
+        the events that modified it point at it.
+        """
+        from versionwatch._dot import report_to_dot
+
+        return report_to_dot(self)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        return f"<pre>{html.escape(str(self))}</pre>"
 
     def to_json(self, **kwargs: Any) -> str:
         """``json.dumps(self.to_dict())``; keyword arguments go to :func:`json.dumps`."""

@@ -26,6 +26,8 @@ _LIBRARY_PARTS = (
     f"{os.sep}_pytest{os.sep}",
     f"{os.sep}pluggy{os.sep}",
 )
+# The bundled demo plays the user's part, so its lines are the ones to blame.
+_USER_FILES = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "_demo.py"),)
 _is_library: dict[str, bool] = {}
 
 
@@ -33,7 +35,9 @@ def is_library(filename: str) -> bool:
     hit = _is_library.get(filename)
     if hit is None:
         path = os.path.abspath(filename)
-        hit = path.startswith(_LIBRARY_DIRS) or any(p in path for p in _LIBRARY_PARTS)
+        hit = path not in _USER_FILES and (
+            path.startswith(_LIBRARY_DIRS) or any(p in path for p in _LIBRARY_PARTS)
+        )
         _is_library[filename] = hit
     return hit
 
@@ -63,4 +67,11 @@ def _short(filename: str) -> str:
         rel = os.path.relpath(filename)
     except ValueError:
         return filename
-    return filename if rel.startswith("..") else rel
+    if not rel.startswith(".."):
+        return rel
+    # Outside the working directory: relative to the import root (site-packages).
+    for root in sorted((p for p in sys.path if p), key=len, reverse=True):
+        root = os.path.join(os.path.abspath(root), "")
+        if filename.startswith(root):
+            return filename[len(root):]
+    return filename

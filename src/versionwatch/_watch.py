@@ -71,6 +71,7 @@ def _add_note(err: BaseException, text: str) -> None:
 # -- the process-wide patches, installed while any watcher is open ------------------
 
 def _backward(*args: Any, **kwargs: Any) -> Any:
+    __tracebackhide__ = True
     original = _ORIGINAL["backward"]
     w = _current()
     if w is None:
@@ -81,6 +82,7 @@ def _backward(*args: Any, **kwargs: Any) -> Any:
 
 
 def _grad(*args: Any, **kwargs: Any) -> Any:
+    __tracebackhide__ = True
     original = _ORIGINAL["grad"]
     w = _current()
     if w is None:
@@ -363,6 +365,7 @@ class Watcher:
 
     # -- backward --------------------------------------------------------------------
     def _run_backward(self, api: str, outputs: Any, inputs: Any, call: Callable[[], Any]) -> Any:
+        __tracebackhide__ = True
         site = user_site(3)
         self._backwards += 1
         n = self._backwards
@@ -398,6 +401,7 @@ class Watcher:
         self.reports.append(report)
 
     def _dispatch(self, report: Report) -> None:
+        __tracebackhide__ = True
         policy = self.policy
         if policy == "raise":
             raise_for(report)

@@ -1,0 +1,83 @@
+"""Zero-code watching: every module and optimizer a program creates.
+
+A global forward pre-hook (``torch.nn.modules.module``) adopts each module the
+first time it runs outside any adopted module: that module is a root. Its
+submodules are remembered, so the hook's steady-state cost is one set lookup
+per module call. Optimizers are adopted by the watcher's global step hooks the
+first time they step a watched parameter.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from versionwatch._config import Policy
+from versionwatch._sites import user_frame
+from versionwatch._watch import Watcher
+
+
+def _root_name(module: nn.Module) -> str:
+    frame, _ = user_frame(2)
+    if frame is not None:
+        for name, value in frame.f_locals.items():
+            if value is module and not name.startswith("_"):
+                return name
+    return type(module).__name__
+
+
+class AutoWatcher(Watcher):
+    """A :class:`Watcher` that adopts every root module when it first runs.
+
+    Create it with :func:`versionwatch.watch_all`.
+    """
+
+    def __init__(self, on_hazard: Policy = "raise") -> None:
+        super().__init__({}, (), on_hazard, prefix=True)
+        self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        ref = weakref.ref(self)
+
+        def hook(module: nn.Module, args: Any) -> None:
+            w = ref()
+            if w is not None and not w._closed and module not in w._seen:
+                w._adopt_root(module)
+
+        self._handles.append(register_module_forward_pre_hook(hook))
+
+    def _adopt_root(self, module: nn.Module) -> None:
+        name = _root_name(module)
+        taken = set(self._roots)
+        unique, k = name, 1
+        while unique in taken:
+            k += 1
+            unique = f"{name}{k}"
+        for sub in module.modules():
+            self._seen.add(sub)
+        self._add_root(unique, module)
+        # The global hook runs before the module's own hooks were registered, so
+        # this first call's forward event is recorded here.
+        self._on_forward(unique, True)
+
+
+def watch_all(on_hazard: Policy = "raise") -> AutoWatcher:
+    """Watch every module and optimizer the program uses from now on.
+
+    This is what ``versionwatch run`` and ``pytest --versionwatch`` use. Root
+    modules are named by the variable that holds them where the call happens
+    (``model.w3``), else by their class (``Model.w3``).
+
+    Args:
+        on_hazard: as in :func:`versionwatch.watch`.
+
+    Example:
+        >>> import torch, versionwatch
+        >>> with versionwatch.watch_all() as w:
+        ...     model = torch.nn.Linear(2, 1)
+        ...     model(torch.ones(1, 2)).sum().backward()
+        >>> sorted(w.ledger.by_name)
+        ['model.bias', 'model.weight']
+    """
+    return AutoWatcher(on_hazard)
