@@ -19,3 +19,5 @@ def _seed() -> None:
 @pytest.fixture
 def oracle() -> Oracle:
     return Oracle()
+
+pytest_plugins = ["pytester"]

@@ -25,6 +25,7 @@ from oracle import Oracle, Outcome
 
 __all__ = [
     "FORWARD_ERRORS",
+    "HIDDEN_SAVE",
     "SaveBoth",
     "SaveIn",
     "SaveOut",
@@ -86,6 +87,11 @@ class SaveBoth(torch.autograd.Function):
         return g * x.cos() + 0.0 * y
 
 
+# Marks the lines where an in-place op on a view saves a tensor that only a
+# CopySlices node holds: Python cannot reach it (CopySlices exposes no saved
+# tensors), so a graph walk cannot check it.
+HIDDEN_SAVE = "saved inside CopySlices"
+
 # Errors that an in-place op may legitimately raise during a program's forward.
 # The generator avoids them; the test counts (and tolerates) any that slip through.
 FORWARD_ERRORS = (
@@ -107,6 +113,10 @@ class _Var:
     rg: bool  # requires grad
     leafy: bool  # a leaf or a view of one: grad-mode in-place is an error
     view: bool = False
+    storage: str = ""  # the variable that owns the memory (views and detach() share it)
+
+    def __post_init__(self) -> None:
+        self.storage = self.storage or self.name
 
 
 def _broadcast(a: Shape, b: Shape) -> Shape:
@@ -114,8 +124,9 @@ def _broadcast(a: Shape, b: Shape) -> Shape:
 
 
 class _Gen:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, view_relu: bool) -> None:
         self.seed = seed
+        self.view_relu = view_relu
         self.r = random.Random(seed)
         self.lines: list[str] = []
         self.vars: list[_Var] = []
@@ -219,13 +230,14 @@ class _Gen:
             name = self.fresh("v")
             self.emit(f"{name} = {expr}")
             kind_ = "node" if x.rg and not x.leafy else ("leafview" if x.rg else "const")
-            self.add(_Var(name, shape, kind_, rg=x.rg, leafy=x.leafy, view=True))
+            self.add(_Var(name, shape, kind_, rg=x.rg, leafy=x.leafy, view=True,
+                          storage=x.storage))
         elif kind == "detach":
             x = self.pick(lambda v: v.rg)
             assert x is not None
             name = self.fresh("c")
             self.emit(f"{name} = {x.name}.detach()")
-            self.add(_Var(name, x.shape, "const", rg=False, leafy=False))
+            self.add(_Var(name, x.shape, "const", rg=False, leafy=False, storage=x.storage))
         elif kind == "cat":
             x = self.pick(lambda v: v.shape == M and v.rg)
             y = self.pick(lambda v: v.shape == M)
@@ -263,12 +275,20 @@ class _Gen:
             x = self.pick(lambda v: v.rg and not v.leafy)
             if x is None:
                 return
-            ops = [f"{x.name}.relu_()", f"{x.name}.add_(0.5)", f"{x.name}.mul_(1.5)",
-                   f"{x.name} += 0.25"]
-            other = self.pick(lambda v: v.name != x.name and _fits(v.shape, x.shape))
+            ops = [f"{x.name}.add_(0.5)", f"{x.name}.mul_(1.5)", f"{x.name} += 0.25"]
+            if self.view_relu or not x.view:
+                ops.append(f"{x.name}.relu_()")
+            # Never an operand that shares x's memory: partial overlap is an error.
+            other = self.pick(lambda v: v.storage != x.storage and _fits(v.shape, x.shape))
             if other is not None:
                 ops.append(f"{x.name}.add_({other.name})")
-            self.emit(f"{r.choice(ops)}  # mutates: {x.name}")
+            op = r.choice(ops)
+            note = ""
+            if x.view and op.endswith(".relu_()"):
+                # relu_ on a view: autograd wraps ReluBackward0, which saves the
+                # result, inside a CopySlices node that does not expose it.
+                note = f"  [{HIDDEN_SAVE}]"
+            self.emit(f"{op}  # mutates: {x.name}{note}")
         elif how == "detach":
             x = self.pick(lambda v: not v.view)
             assert x is not None
@@ -365,13 +385,16 @@ def _fits(src: Shape, dst: Shape) -> bool:
         return False
 
 
-def generate(seed: int) -> str:
-    """The source text of program ``seed``: same seed, same text."""
-    return _Gen(seed).program()
+def generate(seed: int, *, view_relu: bool = True) -> str:
+    """The source text of program ``seed``: same seed, same text.
+
+    ``view_relu=False`` leaves out ``relu_()`` on views (see :data:`HIDDEN_SAVE`).
+    """
+    return _Gen(seed, view_relu).program()
 
 
 _SEED_RE = re.compile(r"^# program (\d+)$", re.MULTILINE)
-_MUTATES_RE = re.compile(r"#\s*mutates:\s*(\w+)\s*$")
+_MUTATES_RE = re.compile(r"#\s*mutates:\s*(\w+)")
 
 
 def mutation_lines(src: str) -> dict[int, str]:

@@ -1,11 +1,25 @@
-"""versionwatch: explain and predict PyTorch's "modified by an inplace operation" errors."""
+"""versionwatch: explain and predict PyTorch's "modified by an inplace operation" errors.
 
-from versionwatch._auto import AutoWatcher, watch_all
-from versionwatch._errors import FreedGraphError, InplaceHazardWarning, InplaceModificationError
-from versionwatch._predict import assert_backward_safe, check
-from versionwatch._report import Hazard, Modification, Report, Site
-from versionwatch._timeline import Timeline
-from versionwatch._watch import Watcher, watch
+The names below load on first use, so ``import versionwatch`` (and the pytest
+plugin, which lives in this package) costs nothing until torch is needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from versionwatch._auto import AutoWatcher, watch_all
+    from versionwatch._errors import (
+        FreedGraphError,
+        InplaceHazardWarning,
+        InplaceModificationError,
+    )
+    from versionwatch._predict import assert_backward_safe, check
+    from versionwatch._report import Hazard, Modification, Report, Site
+    from versionwatch._timeline import Timeline
+    from versionwatch._watch import Watcher, watch
 
 __all__ = [
     "AutoWatcher",
@@ -24,3 +38,33 @@ __all__ = [
     "watch_all",
 ]
 __version__ = "0.1.0"
+
+_WHERE = {
+    "AutoWatcher": "_auto",
+    "watch_all": "_auto",
+    "FreedGraphError": "_errors",
+    "InplaceHazardWarning": "_errors",
+    "InplaceModificationError": "_errors",
+    "assert_backward_safe": "_predict",
+    "check": "_predict",
+    "Hazard": "_report",
+    "Modification": "_report",
+    "Report": "_report",
+    "Site": "_report",
+    "Timeline": "_timeline",
+    "Watcher": "_watch",
+    "watch": "_watch",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'versionwatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"versionwatch.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

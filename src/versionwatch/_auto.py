@@ -16,17 +16,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from versionwatch._config import Policy
-from versionwatch._sites import user_frame
-from versionwatch._watch import Watcher
-
-
-def _root_name(module: nn.Module) -> str:
-    frame, _ = user_frame(2)
-    if frame is not None:
-        for name, value in frame.f_locals.items():
-            if value is module and not name.startswith("_"):
-                return name
-    return type(module).__name__
+from versionwatch._watch import Watcher, _variable_name
 
 
 class AutoWatcher(Watcher):
@@ -48,7 +38,7 @@ class AutoWatcher(Watcher):
         self._handles.append(register_module_forward_pre_hook(hook))
 
     def _adopt_root(self, module: nn.Module) -> None:
-        name = _root_name(module)
+        name = _variable_name(module, 2)
         taken = set(self._roots)
         unique, k = name, 1
         while unique in taken:

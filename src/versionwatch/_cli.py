@@ -45,17 +45,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _short_traceback(err: BaseException, target: str) -> str:
-    """The traceback from the user's code on: our own frames (and runpy's) dropped."""
-    tb = err.__traceback__
-    here = os.path.dirname(os.path.abspath(__file__))
-    while tb is not None and (
-        os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(here)
-        or tb.tb_frame.f_code.co_filename.endswith("runpy.py")
-        or "<frozen runpy>" in tb.tb_frame.f_code.co_filename
-    ):
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(err), err, tb))
+def _short_traceback(err: BaseException) -> str:
+    """The traceback of the user's code: runpy's and the CLI's own frames dropped.
+
+    For versionwatch's own errors the torch and versionwatch frames between the
+    user's backward call and the raise are dropped too.
+    """
+    from versionwatch._errors import FreedGraphError, InplaceModificationError
+    from versionwatch._sites import is_library
+
+    ours = isinstance(err, (InplaceModificationError, FreedGraphError))
+    frames = [
+        f for f in traceback.extract_tb(err.__traceback__)
+        if not (f.filename.endswith("runpy.py") or "<frozen runpy>" in f.filename
+                or os.path.abspath(f.filename) == os.path.abspath(__file__)
+                or (ours and is_library(f.filename)))
+    ]
+    head = "Traceback (most recent call last):\n" if frames else ""
+    body = "".join(traceback.format_list(frames))
+    return head + body + "".join(traceback.format_exception_only(type(err), err))
 
 
 def _write_outputs(args: argparse.Namespace, watcher: Any, status: int,
@@ -115,7 +123,8 @@ def _run(args: argparse.Namespace) -> int:
         sys.path[0] = os.getcwd()
     else:
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-    status, err = 0, None
+    status = 0
+    err: BaseException | None = None
     watcher = versionwatch.watch_all(on_hazard=args.on_hazard)
     try:
         if args.module:
@@ -129,10 +138,10 @@ def _run(args: argparse.Namespace) -> int:
             print(code, file=sys.stderr)
     except KeyboardInterrupt as e:
         status, err = 130, e
-        print(_short_traceback(e, argv[0]), file=sys.stderr, end="")
+        print(_short_traceback(e), file=sys.stderr, end="")
     except BaseException as e:
         status, err = 1, e
-        print(_short_traceback(e, argv[0]), file=sys.stderr, end="")
+        print(_short_traceback(e), file=sys.stderr, end="")
     finally:
         watcher.close()
         sys.argv = saved_argv

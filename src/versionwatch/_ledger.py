@@ -94,6 +94,10 @@ class Ledger:
     ) -> Event:
         """Add an event; changes since the last one go to ``cause`` or to the interval."""
         self.count += 1
+        if kind.endswith("_end"):
+            # "end of backward #2", placed at the line that started it
+            start = next((e for e in reversed(self.events) if e.label == label), None)
+            label, site = f"end of {label}", site or (start.site if start else None)
         event = Event(self.count, kind, label, site)
         versions = self._scan(cause, label, site, notes)
         self.events.append(event)

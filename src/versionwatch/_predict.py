@@ -32,7 +32,6 @@ _VERSION_RE = re.compile(r"is at version (\d+); expected version (\d+) instead")
 _PRODUCER_RE = re.compile(r"which is output \d+ of (\w+)")
 _FREED = "backward through the graph a second time"
 _RAW_PREFIX = "_raw_saved_"
-_RAW_ATTRS: dict[type, tuple[str, ...]] = {}
 
 
 def _as_tensors(value: Any, what: str) -> list[torch.Tensor]:
@@ -64,13 +63,28 @@ def _root(t: torch.Tensor, i: int) -> Node:
     return get_gradient_edge(t).node
 
 
-def _raw_attrs(fn: Node) -> tuple[str, ...]:
+# Per node type: (slot, raw getter, checked getter) for each saved-variable slot;
+# empty for nodes that save nothing (AccumulateGrad, TBackward0, ...), and
+# _CUSTOM for custom autograd.Function nodes, which keep theirs in saved_tensors.
+_Plan = tuple[tuple[str, str, str], ...]
+_PLANS: dict[type, _Plan] = {}
+_CUSTOM: _Plan = (("saved_tensors", "_raw_saved_tensors", "saved_tensors"),)
+_SavedTensor: Any = torch._C._autograd.SavedTensor
+
+
+def _plan(fn: Node) -> _Plan:
     cls = type(fn)
-    attrs = _RAW_ATTRS.get(cls)
-    if attrs is None:
-        attrs = tuple(a[len(_RAW_PREFIX) :] for a in dir(fn) if a.startswith(_RAW_PREFIX))
-        _RAW_ATTRS[cls] = attrs
-    return attrs
+    plan = _PLANS.get(cls)
+    if plan is None:
+        if isinstance(fn, BackwardCFunction):
+            plan = _CUSTOM
+        else:
+            plan = tuple(
+                (a[len(_RAW_PREFIX):], a, "_saved_" + a[len(_RAW_PREFIX):])
+                for a in dir(fn) if a.startswith(_RAW_PREFIX)
+            )
+        _PLANS[cls] = plan
+    return plan
 
 
 def _hooked(raw: Any) -> bool:
@@ -88,32 +102,44 @@ class _Checker:
         self.silent = silent
 
     def node(self, i: int, fn: Node) -> None:
-        if isinstance(fn, BackwardCFunction):
+        # The hot path: one dict lookup for a node that saves nothing, and three
+        # attribute reads per saved tensor (raw, its hook, the checked getter).
+        plan = _PLANS.get(type(fn))
+        if plan is None:
+            plan = _plan(fn)
+        if not plan:
+            return
+        if plan is _CUSTOM:
             self._custom(i, fn)
             return
-        for slot in _raw_attrs(fn):
+        for slot, raw_attr, saved_attr in plan:
             try:
-                raw = getattr(fn, _RAW_PREFIX + slot)
+                raw = getattr(fn, raw_attr)
             except RuntimeError as e:
                 self._error(i, fn, slot, None, e)
                 continue
             if raw is None:
                 continue
-            if isinstance(raw, (tuple, list)):
+            if raw.__class__ is _SavedTensor:
+                if raw.unpack_hook is not None:
+                    self.unverifiable.append((fn.name(), slot))
+                    continue
+            elif isinstance(raw, (tuple, list)):
                 self._sequence(i, fn, slot, raw)
+                continue
             elif _hooked(raw):
                 self.unverifiable.append((fn.name(), slot))
-            else:
-                try:
-                    # The generated getter passes the node, which a saved
-                    # *output* needs to unpack; raw.unpack() cannot.
-                    getattr(fn, "_saved_" + slot)
-                    self.checked += 1
-                except RuntimeError as e:
-                    self._error(i, fn, slot, raw, e)
-                    continue
-                if self.silent:
-                    self._silent(i, fn, slot, raw)
+                continue
+            try:
+                # The generated getter passes the node, which a saved
+                # *output* needs to unpack; raw.unpack() cannot.
+                getattr(fn, saved_attr)
+                self.checked += 1
+            except RuntimeError as e:
+                self._error(i, fn, slot, raw, e)
+                continue
+            if self.silent:
+                self._silent(i, fn, slot, raw)
 
     def _silent(self, i: int, fn: Node, slot: str, raw: Any) -> None:
         data = raw.data
@@ -358,10 +384,17 @@ def predict(
     outs = _as_tensors(outputs, "outputs")
     ins = _as_tensors(inputs, "inputs") if inputs is not None else None
     roots = [_root(t, i) for i, t in enumerate(outs)]
-    graph = Graph(roots)
+    graph = Graph()
     try:
+        checker = _Checker(silent)
         targets: set[int] | None = None
-        if ins is not None:
+        if ins is None:
+            # Every reachable node runs: check each one as the walk finds it.
+            graph.walk(roots, checker.node)
+            executed = [True] * len(graph.nodes)
+            count = len(graph.nodes)
+        else:
+            graph.walk(roots)
             targets = set()
             for k, t in enumerate(ins):
                 if not t.requires_grad:
@@ -369,14 +402,14 @@ def predict(
                 j = graph.index.get(get_gradient_edge(t).node)
                 if j is not None:
                     targets.add(j)
-        executed = _executed(graph, targets, accumulate=api == "backward")
-        checker = _Checker(silent)
-        for i, fn in enumerate(graph.nodes):
-            if executed[i]:
-                checker.node(i, fn)
+            executed = _executed(graph, targets, accumulate=api == "backward")
+            for i, fn in enumerate(graph.nodes):
+                if executed[i]:
+                    checker.node(i, fn)
+            count = sum(executed)
         report = Report(
             unverifiable=checker.unverifiable,
-            nodes=sum(executed),
+            nodes=count,
             saved_checked=checker.checked,
         )
         if checker.hazards:

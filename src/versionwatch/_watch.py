@@ -149,11 +149,13 @@ def _seq_clock() -> int:
 
 
 def _variable_name(module: nn.Module, skip: int) -> str:
-    frame, _ = user_frame(skip)
+    """The name of the variable holding ``module`` in the user's frame, else its class."""
+    frame, _ = user_frame(skip + 1)
     if frame is not None:
-        for name, value in frame.f_locals.items():
-            if value is module and not name.startswith("_"):
-                return name
+        for scope in (frame.f_locals, frame.f_globals):
+            for name, value in scope.items():
+                if value is module and not name.startswith("_"):
+                    return name
     return type(module).__name__
 
 
@@ -267,6 +269,9 @@ class Watcher:
         return state
 
     def _optimizer(self, opt: Optimizer) -> _OptimizerState | None:
+        inner = getattr(opt, "_optimizer", None)  # Lightning's LightningOptimizer wrapper
+        if isinstance(inner, Optimizer):
+            opt = inner
         state = self._optimizers.get(id(opt))
         if state is not None and state.ref() is opt:
             return state
@@ -302,7 +307,7 @@ class Watcher:
         else:
             label = self._label(root, self._forwards[root])
             self.ledger.record(
-                "forward_end", f"{label} end", None,
+                "forward_end", label, None,
                 cause=Modification("module_forward", f"during {label} of {root}"),
             )
 
@@ -371,6 +376,7 @@ class Watcher:
         n = self._backwards
         self.ledger.record("backward", f"backward #{n}", site)
         _LOCAL.busy = True
+        ended = False
         try:
             try:
                 report: Report | None = predict(outputs, inputs, api, self._names,  # type: ignore[arg-type]
@@ -385,12 +391,20 @@ class Watcher:
             try:
                 return call()
             except RuntimeError as e:
-                self._after_error(e, report)
+                # Record the end first: a write during backward (a hook, a custom
+                # Function) is what the ledger must see to name the tensor.
+                ended = True
+                self._end_backward(n)
+                self._after_error(e, report, site)
                 raise
         finally:
             _LOCAL.busy = False
-            self.ledger.record("backward_end", f"backward #{n} end", None,
-                               cause=Modification("backward", f"during backward #{n}"))
+            if not ended:
+                self._end_backward(n)
+
+    def _end_backward(self, n: int) -> None:
+        self.ledger.record("backward_end", f"backward #{n}", None,
+                           cause=Modification("backward", f"during backward #{n}"))
 
     def _explain(self, report: Report) -> None:
         for h in report.hazards:
@@ -413,7 +427,7 @@ class Watcher:
         elif callable(policy):
             policy(report)
 
-    def _after_error(self, err: RuntimeError, report: Report | None) -> None:
+    def _after_error(self, err: RuntimeError, report: Report | None, site: Site | None) -> None:
         msg = str(err)
         if report is not None and not report.ok:
             _add_note(err, f"versionwatch predicted this before backward ran:\n{report}")
@@ -433,7 +447,7 @@ class Watcher:
             h.tensor, h.key, h.requires_grad = tr.name, key, True
             self.ledger.blame(h, key)
         h.fix = fix_for(h)
-        late = Report(hazards=[h], backward_site=report.backward_site if report else None)
+        late = Report(hazards=[h], backward_site=site)
         self.reports.append(late)
         _add_note(err, f"versionwatch explains (PyTorch raised, unpredicted):\n{late}")
 
@@ -517,7 +531,8 @@ def watch(
 
     Example:
         >>> import torch, versionwatch
-        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
+        >>> nn = torch.nn
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1))
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> with versionwatch.watch(model, opt) as w:
         ...     loss = model(torch.ones(1, 2)).sum()

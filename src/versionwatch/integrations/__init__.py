@@ -1,0 +1,1 @@
+"""Integrations with training frameworks; each lives in its own submodule, imported on demand."""

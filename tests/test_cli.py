@@ -1,0 +1,229 @@
+"""The CLI end to end, in subprocesses: exit statuses, JSON, naming, __main__ semantics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SEED = textwrap.dedent("""\
+    import sys
+    import torch
+    from torch import nn
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Parameter(torch.tensor([2.0]))
+            self.w2 = nn.Parameter(torch.tensor([3.0]))
+            self.w3 = nn.Parameter(torch.tensor([4.0]))
+
+        def forward(self, a):
+            s = a * self.w1
+            return s * self.w2, s * self.w3
+
+    model = Model()
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)
+    mse = nn.MSELoss()
+    x, y1, y2 = torch.tensor([1.0]), torch.tensor([5.0]), torch.tensor([7.0])
+    for n in range(3):
+        y1_pred, y2_pred = model(x)
+        optim.zero_grad(set_to_none=False)
+        loss1 = mse(y1_pred, y1)
+        loss1.backward(retain_graph=True)
+        optim.step()
+        optim.zero_grad(set_to_none=False)
+        loss2 = mse(y2_pred, y2)
+        loss2.backward()
+        optim.step()
+    print("done")
+""")
+
+
+def line_of(src: str, text: str, nth: int = 1) -> int:
+    hits = [i for i, line in enumerate(src.splitlines(), 1) if text in line]
+    return hits[nth - 1]
+
+
+STEP1 = line_of(SEED, "optim.step()")
+BACKWARD2 = line_of(SEED, "loss2.backward()")
+
+
+def vw(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "versionwatch", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_hazard_exits_1_with_explanation_and_json(tmp_path: Path):
+    (tmp_path / "train.py").write_text(SEED)
+    r = vw("run", "--json", "out.json", "--dot", "out.dot", "train.py", cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    assert "done" not in r.stdout
+    assert "model.w3 saved by MulBackward0 was modified by an inplace operation" in r.stderr
+    assert f"SGD.step() #3 at train.py:{STEP1}" in r.stderr
+    assert "_watch.py" not in r.stderr and "Traceback" in r.stderr
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["schema"] == "versionwatch.report/1" and doc["exit_status"] == 1
+    (h,) = doc["hazards"]
+    assert (h["kind"], h["detected"], h["tensor"], h["saved_by"], h["slot"]) == (
+        "inplace", "predicted", "model.w3", "MulBackward0", "other")
+    assert (h["saved_version"], h["current_version"], h["shape"], h["dtype"]) == (1, 2, [1], "float32")
+    assert h["modified_by"] == [{"kind": "optimizer.step", "description": "SGD.step() #3",
+                                 "file": "train.py", "line": STEP1, "versions": [1, 2]}]
+    assert h["backward_site"] == {"file": "train.py", "line": BACKWARD2}
+    assert "model.w3" in doc["timeline"]["columns"]
+    dot = (tmp_path / "out.dot").read_text()
+    assert dot.startswith("digraph") and "MulBackward0" in dot and "color=red" in dot
+
+
+def test_clean_run_keeps_exit_status_and_argv(tmp_path: Path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "helper.py").write_text("VALUE = 7\n")
+    (tmp_path / "pkg" / "main.py").write_text(textwrap.dedent("""\
+        import pickle, sys
+        import torch
+        import helper  # importable because sys.path[0] is the script's folder
+
+        class Box:
+            pass
+
+        assert __name__ == "__main__"
+        assert pickle.loads(pickle.dumps(Box())).__class__.__name__ == "Box"
+        net = torch.nn.Linear(2, 1)
+        net(torch.ones(1, 2)).sum().backward()
+        print(sys.argv, helper.VALUE)
+        sys.exit(3)
+    """))
+    r = vw("run", "pkg/main.py", "--flag", "x", cwd=tmp_path)
+    assert r.returncode == 3, r.stderr
+    assert "['pkg/main.py', '--flag', 'x'] 7" in r.stdout
+    assert "1 backward(s) watched, no hazard" in r.stderr
+
+
+def test_module_mode_and_class_name(tmp_path: Path):
+    (tmp_path / "mymod.py").write_text(textwrap.dedent("""\
+        import sys
+        import torch
+        from torch import nn
+        print("argv", sys.argv[1:])
+        w = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1))
+        opt = torch.optim.SGD(w.parameters(), lr=0.1)
+        def run():
+            loss = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1))(torch.ones(1, 2)).sum()
+            loss.backward()
+            out = w(torch.ones(1, 2)).sum()
+            out.backward(retain_graph=True)
+            opt.step()
+            out.backward()
+        run()
+    """))
+    r = vw("run", "--quiet", "-m", "mymod", "a", cwd=tmp_path)
+    assert r.returncode == 1
+    assert "argv ['a']" in r.stdout
+    assert "w.2.weight saved by AddmmBackward0" in r.stderr and "Sequential2" not in r.stderr
+
+
+def test_inline_module_is_named_by_class(tmp_path: Path):
+    (tmp_path / "s.py").write_text(textwrap.dedent("""\
+        import torch
+        from torch import nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = nn.Linear(2, 2)
+                self.b = nn.Linear(2, 1)
+            def forward(self, x):
+                return self.b(self.a(x).tanh())
+        def go(net):
+            loss = net(torch.ones(1, 2)).sum()
+            loss.backward(retain_graph=True)
+            with torch.no_grad():
+                net.b.weight.mul_(2)
+            loss.backward()
+        go(Net())
+    """))
+    r = vw("run", "s.py", cwd=tmp_path)
+    assert r.returncode == 1
+    assert "net.b.weight" in r.stderr or "Net.b.weight" in r.stderr
+    assert "between end of backward #1 (s.py:12) and backward #2 (s.py:15)" in r.stderr
+
+
+def test_warn_policy_lets_pytorch_raise_with_a_note(tmp_path: Path):
+    (tmp_path / "train.py").write_text(SEED)
+    r = vw("run", "--on-hazard", "warn", "train.py", cwd=tmp_path)
+    assert r.returncode == 1
+    assert "InplaceHazardWarning" in r.stderr
+    assert "RuntimeError: one of the variables needed for gradient computation" in r.stderr
+    assert "versionwatch predicted this before backward ran" in r.stderr
+
+
+def test_json_written_when_the_script_dies(tmp_path: Path):
+    (tmp_path / "boom.py").write_text("raise KeyboardInterrupt\n")
+    r = vw("run", "--json", "o.json", "boom.py", cwd=tmp_path)
+    assert r.returncode == 130
+    assert json.loads((tmp_path / "o.json").read_text())["exception"] == "KeyboardInterrupt: "
+    (tmp_path / "err.py").write_text("import torch\nraise ValueError('bad data')\n")
+    r = vw("run", "--json", "o.json", "err.py", cwd=tmp_path)
+    assert r.returncode == 1 and "ValueError: bad data" in r.stderr
+    assert 'File "err.py", line 2' in r.stderr and "_cli.py" not in r.stderr
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert doc["exit_status"] == 1 and doc["hazards"] == []
+
+
+def test_missing_script(tmp_path: Path):
+    r = vw("run", "nope.py", cwd=tmp_path)
+    assert r.returncode == 2 and "can't open file 'nope.py'" in r.stderr
+
+
+def test_svg_needs_dot(tmp_path: Path):
+    import shutil
+
+    (tmp_path / "train.py").write_text(SEED)
+    r = vw("run", "--svg", "o.svg", "train.py", cwd=tmp_path)
+    if shutil.which("dot"):
+        assert (tmp_path / "o.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
+    else:
+        assert "--svg needs Graphviz's `dot` program" in r.stderr
+
+
+def test_spawned_workers_unpickle_main_objects(tmp_path: Path):
+    (tmp_path / "dl.py").write_text(textwrap.dedent("""\
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+
+        class Data(Dataset):
+            def __len__(self):
+                return 4
+            def __getitem__(self, i):
+                return torch.tensor([float(i)])
+
+        if __name__ == "__main__":
+            loader = DataLoader(Data(), batch_size=2, num_workers=1,
+                                multiprocessing_context="spawn")
+            print(sum(float(b.sum()) for b in loader))
+    """))
+    r = vw("run", "dl.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "6.0"
+
+
+def test_demo_runs_in_four_steps(tmp_path: Path):
+    r = subprocess.run([sys.executable, "-m", "versionwatch", "demo"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for n in range(1, 5):
+        assert f"=== step {n}/4" in r.stdout
+    assert "is at version 2; expected version 1 instead" in r.stdout
+    assert "model.w3 saved by MulBackward0" in r.stdout
+    assert "SGD.step() #3 at versionwatch/_demo.py" in r.stdout
+    assert "3 iterations, 0 hazards" in r.stdout
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"]])
+def test_help(argv, tmp_path: Path):
+    r = vw(*argv, cwd=tmp_path)
+    assert r.returncode == 0 and "versionwatch" in r.stdout

@@ -1,0 +1,90 @@
+"""The pytest plugin, through pytester in subprocesses (entry point pytest11)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+TESTS = """
+import pytest
+import torch
+
+def make():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+def stale_backward():
+    model, opt = make()
+    loss = model(torch.ones(1, 2)).sum()
+    loss.backward(retain_graph=True)
+    opt.step()
+    loss.backward()
+
+def test_bad():
+    stale_backward()
+
+def test_good():
+    model, opt = make()
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+
+@pytest.mark.versionwatch(on_hazard="raise")
+def test_marked():
+    stale_backward()
+
+def test_fixture(versionwatch):
+    model, opt = make()
+    model(torch.ones(1, 2)).sum().backward()
+    assert sorted(versionwatch.ledger.by_name)[0] == "model.0.bias"
+"""
+
+
+@pytest.fixture
+def suite(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makepyfile(test_suite=TESTS)
+    return pytester
+
+
+def test_opt_in_flag_watches_every_test(suite: pytest.Pytester):
+    result = suite.runpytest_subprocess("--versionwatch", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines([
+        "*InplaceModificationError: versionwatch: backward will fail: model.2.weight saved by "
+        "AddmmBackward0 was modified by an inplace operation*",
+        "*modified by  SGD.step() #1 at test_suite.py:12*",
+    ])
+    assert "_watch.py" not in result.stdout.str()  # our frames are hidden
+
+
+def test_without_the_flag_only_marked_tests_are_watched(suite: pytest.Pytester):
+    result = suite.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=2)
+    out = result.stdout.str()
+    assert out.count("versionwatch: backward will fail") == 1  # test_marked only
+    assert "RuntimeError: one of the variables needed for gradient computation" in out
+
+
+def test_warn_policy_from_the_command_line(suite: pytest.Pytester):
+    result = suite.runpytest_subprocess(
+        "--versionwatch", "--versionwatch-on-hazard", "warn", "-p", "no:cacheprovider",
+        "-k", "test_bad")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*versionwatch predicted this*", "*test_suite.py:13: InplaceHazardWarning*"])
+
+
+def test_plugin_import_is_light():
+    code = ("import sys, versionwatch._pytest_plugin; "
+            "assert 'torch' not in sys.modules, 'torch imported at pytest start-up'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_import_versionwatch_pulls_in_no_optional_integration():
+    code = ("import sys, versionwatch; "
+            "heavy = {'lightning', 'pytorch_lightning', 'rich', 'matplotlib', 'accelerate'}; "
+            "print(sorted(heavy & set(sys.modules)))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

@@ -1,0 +1,410 @@
+"""watch(): what it promises not to do. It changes no number, leaks nothing, and
+leaves nothing behind when it closes, however it closes.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.optim.optimizer as optim_mod
+from torch import nn
+
+import versionwatch
+from versionwatch import InplaceModificationError
+
+ORIGINAL_BACKWARD = torch.autograd.backward
+ORIGINAL_GRAD = torch.autograd.grad
+ORIGINAL_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv("VERSIONWATCH_ON_HAZARD", raising=False)
+    assert_unpatched()
+    yield
+    assert_unpatched()
+
+
+def assert_unpatched() -> None:
+    assert torch.autograd.backward is ORIGINAL_BACKWARD
+    assert torch.autograd.grad is ORIGINAL_GRAD
+    assert torch.optim.Optimizer.zero_grad is ORIGINAL_ZERO_GRAD
+    assert not optim_mod._global_optimizer_pre_hooks
+    assert not optim_mod._global_optimizer_post_hooks
+
+
+def assert_no_module_hooks(model: nn.Module) -> None:
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+        assert not getattr(m, "_forward_hooks_always_called", {})
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def stale_loss(model: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    out = model(torch.randn(8, 4))
+    first, second = out.pow(2).mean(), out.abs().mean()
+    first.backward(retain_graph=True)
+    opt.step()
+    return second
+
+
+# --- 2. bitwise-identical training ------------------------------------------------
+
+def small_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(4 * 4 * 4, 3),
+    )
+
+
+class SmallTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64,
+                                           dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(dim=1))
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "cnn": (small_cnn, (4, 3, 8, 8)),
+    "transformer": (SmallTransformer, (4, 5, 32)),
+}
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+}
+
+
+def train(model_name: str, opt_name: str, watched: bool, steps: int = 50):
+    make, shape = MODELS[model_name]
+    torch.manual_seed(0)
+    model = make()
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    data = torch.Generator().manual_seed(1)
+    w = versionwatch.watch(model, opt) if watched else None
+    try:
+        torch.manual_seed(2)  # dropout draws the same masks in both runs
+        for _ in range(steps):
+            x = torch.randn(*shape, generator=data)
+            y = torch.randint(0, 3, (shape[0],), generator=data)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    finally:
+        if w is not None:
+            assert len(w.reports) == 0
+            assert sum(ev.kind == "step" for ev in w.ledger.events) == min(steps, 512)
+            w.close()
+    return model
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_bitwise_identical_after_50_steps(model_name: str, opt_name: str):
+    plain = train(model_name, opt_name, watched=False)
+    watched = train(model_name, opt_name, watched=True)
+    pairs = list(zip(plain.state_dict().items(), watched.state_dict().items()))
+    assert pairs
+    for (name, a), (name_w, b) in pairs:
+        assert name == name_w
+        assert torch.equal(a, b), name
+    params = list(zip(plain.named_parameters(), watched.named_parameters()))
+    for (name, a), (_, b) in params:
+        assert a.grad is not None and b.grad is not None, name
+        assert torch.equal(a.grad, b.grad), name
+        assert a._version == b._version, name  # the watcher wrote nothing in place
+
+
+# --- 3. no leaks ------------------------------------------------------------------
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
+def test_two_thousand_steps_stay_bounded():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def snapshot(w: versionwatch.Watcher) -> dict[str, int]:
+        return {
+            "events": len(w.ledger.events),
+            "versions": len(w.ledger.versions),
+            "history": sum(len(tr.history) for tr in w.ledger.tracked.values()),
+            "tracked": len(w.ledger.tracked),
+            "names": len(w.ledger.by_name),
+            "reports": len(w.reports),
+            "finalizers": len(getattr(weakref.finalize, "_registry", ())),
+        }
+
+    with versionwatch.watch(model, opt) as w:
+        for step in range(1, 2001):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            if step == 500:
+                del loss
+                at_500, tensors_500, rss_500 = snapshot(w), live_tensors(), rss_bytes()
+        del loss
+        at_2000, tensors_2000, rss_2000 = snapshot(w), live_tensors(), rss_bytes()
+    assert at_2000 == at_500
+    assert at_2000["tracked"] == 4 and at_2000["reports"] == 0
+    assert at_2000["events"] <= 512
+    assert at_2000["history"] <= 4 * 256
+    assert tensors_2000 <= tensors_500 + 5
+    assert rss_2000 - rss_500 < 64 * 2**20
+
+
+class Marker(torch.Tensor):
+    """A tensor subclass, so that the test can find every live instance."""
+
+
+def graph_with_marked_activation(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor,
+                                                            weakref.ref[torch.Tensor]]:
+    h = model[0](torch.randn(8, 4)).as_subclass(Marker)
+    mid = torch.tanh(h)  # TanhBackward0 saves its result; the next mul saves h
+    out = model[2](mid * h)
+    ref = weakref.ref(h)
+    first, second = out.pow(2).mean(), out.abs().mean()
+    return first, second, ref
+
+
+def marked_alive() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is Marker)
+
+
+def test_graph_is_freed_after_a_watched_backward():
+    model = mlp()
+    with versionwatch.watch(model):
+        first, second, ref = graph_with_marked_activation(model)
+        first.backward(retain_graph=True)
+        gc.collect()
+        assert ref() is not None  # the retained graph still holds it
+        del first
+        gc.collect()
+        assert ref() is not None  # second still needs it
+        second.backward()
+        del second
+        gc.collect()
+        assert ref() is None
+        assert marked_alive() == 0
+
+
+def test_graph_is_freed_after_a_backward_that_raised():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with versionwatch.watch(model, opt) as w:
+        first, second, ref = graph_with_marked_activation(model)
+        first.backward(retain_graph=True)
+        opt.step()
+        kept = None
+        try:
+            second.backward()
+        except InplaceModificationError as e:
+            kept = e.with_traceback(None)  # a user may keep the error and its report
+        assert kept is not None and kept.report.hazards[0].tensor == "model.2.weight"
+        gc.collect()
+        assert ref() is not None  # the graph was not run, so still there
+        del first, second
+        gc.collect()
+        assert ref() is None
+        assert marked_alive() == 0
+    assert len(w.reports) == 1  # the report outlives the graph
+
+
+def test_graph_is_freed_after_pytorchs_own_error():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with versionwatch.watch(model, opt, on_hazard="warn"):
+        first, second, ref = graph_with_marked_activation(model)
+        first.backward(retain_graph=True)
+        opt.step()
+        kept = None
+        with pytest.warns(versionwatch.InplaceHazardWarning):
+            try:
+                second.backward()
+            except RuntimeError as e:
+                kept = e.with_traceback(None)
+        assert kept is not None and getattr(kept, "__notes__", None)
+        del first, second
+        gc.collect()
+        assert ref() is None
+        assert marked_alive() == 0
+
+
+# --- 6. cleanup -------------------------------------------------------------------
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("how", ["normal", "exception", "keyboard_interrupt",
+                                 "interrupt_in_forward", "interrupt_in_backward"])
+def test_everything_is_removed_on_exit(how: str):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    expected: type[BaseException] | None = {
+        "normal": None, "exception": Boom,
+    }.get(how, KeyboardInterrupt)
+    try:
+        with versionwatch.watch(model, opt) as w:
+            assert torch.autograd.backward is not ORIGINAL_BACKWARD
+            assert torch.autograd.grad is not ORIGINAL_GRAD
+            assert torch.optim.Optimizer.zero_grad is not ORIGINAL_ZERO_GRAD
+            assert optim_mod._global_optimizer_pre_hooks
+            assert optim_mod._global_optimizer_post_hooks
+            assert model._forward_hooks and model._forward_pre_hooks
+            loss = model(torch.randn(8, 4)).sum()
+            if how == "exception":
+                raise Boom
+            if how == "keyboard_interrupt":
+                raise KeyboardInterrupt
+            if how == "interrupt_in_forward":
+                model[1].register_forward_hook(interrupt)
+                model(torch.randn(8, 4))
+            if how == "interrupt_in_backward":
+                loss.register_hook(interrupt)
+            loss.backward()
+            opt.step()
+    except BaseException as e:
+        assert expected is not None and type(e) is expected
+    else:
+        assert expected is None
+    assert w._closed
+    assert_unpatched()
+    model[1]._forward_hooks.clear()  # the test's own hook, if any
+    assert_no_module_hooks(model)
+    # Fresh watchers in this thread still work: nothing was left half-done.
+    with versionwatch.watch(model, opt):
+        loss = stale_loss(model, opt)
+        with pytest.raises(InplaceModificationError):
+            loss.backward()
+
+
+def test_close_twice_and_close_without_with():
+    model = mlp()
+    w = versionwatch.watch(model)
+    assert torch.autograd.backward is not ORIGINAL_BACKWARD
+    w.close()
+    w.close()
+    assert_unpatched()
+    assert_no_module_hooks(model)
+
+
+def test_a_patched_function_kept_after_close_still_works():
+    """``from torch.autograd import backward`` inside a watch block keeps our wrapper."""
+    model = mlp()
+    with versionwatch.watch(model):
+        backward, grad = torch.autograd.backward, torch.autograd.grad
+    x = torch.ones(3, requires_grad=True)
+    backward((x * 2).sum())
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+    (g,) = grad((x * 3).sum(), [x])
+    assert torch.equal(g, torch.full((3,), 3.0))
+
+
+def test_nested_watchers_on_two_models():
+    outer_model, inner_model = mlp(), mlp()
+    outer_opt = torch.optim.SGD(outer_model.parameters(), lr=0.1)
+    inner_opt = torch.optim.Adam(inner_model.parameters(), lr=0.1)
+    with versionwatch.watch({"outer": outer_model}, outer_opt) as outer:
+        with versionwatch.watch({"inner": inner_model}, inner_opt) as inner:
+            loss = stale_loss(inner_model, inner_opt)
+            with pytest.raises(InplaceModificationError) as info:
+                loss.backward()
+            assert info.value.report.hazards[0].tensor == "inner.2.weight"
+            assert [m.description for m in info.value.report.hazards[0].modified_by] == [
+                "Adam.step() #1"]
+            # The outer model trains while the inner watcher is open.
+            outer_loss = stale_loss(outer_model, outer_opt)
+            with pytest.raises(InplaceModificationError) as info:
+                outer_loss.backward()
+            h = info.value.report.hazards[0]
+            assert h.tensor == "outer.2.weight"
+            assert [m.description for m in h.modified_by] == ["SGD.step() #1"]
+        assert inner._closed and not outer._closed
+        assert_no_module_hooks(inner_model)
+        assert outer_model._forward_hooks and outer_model._forward_pre_hooks
+        assert torch.autograd.backward is not ORIGINAL_BACKWARD
+        assert optim_mod._global_optimizer_pre_hooks
+        loss = stale_loss(outer_model, outer_opt)
+        with pytest.raises(InplaceModificationError) as info:
+            loss.backward()
+        h = info.value.report.hazards[0]
+        assert h.tensor == "outer.2.weight"
+        assert [m.description for m in h.modified_by] == ["SGD.step() #2"]
+    assert all(r.hazards[0].tensor.startswith("inner.") for r in inner.reports)
+    assert all(r.hazards[0].tensor.startswith("outer.") for r in outer.reports)
+    assert_no_module_hooks(outer_model)
+
+
+def test_two_watchers_in_two_threads():
+    steps = {"left": 7, "right": 11}
+    barrier = threading.Barrier(2, timeout=30)
+    results: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str) -> None:
+        try:
+            torch.manual_seed(len(name))
+            model = mlp()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            with versionwatch.watch({name: model}, opt) as w:
+                barrier.wait()  # both watchers open at once
+                for _ in range(steps[name]):
+                    opt.zero_grad()
+                    model(torch.randn(8, 4)).pow(2).mean().backward()
+                    opt.step()
+                loss = stale_loss(model, opt)
+                try:
+                    loss.backward()
+                except InplaceModificationError as e:
+                    results[name] = (e.report, w)
+                barrier.wait()  # neither closes before the other raised
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in steps]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert set(results) == set(steps)
+    for name, (report, w) in results.items():
+        h = report.hazards[0]
+        assert h.tensor == f"{name}.2.weight"
+        assert [m.description for m in h.modified_by] == [f"SGD.step() #{steps[name] + 1}"]
+        assert list(w.reports) == [report]
+        assert all(tr.name.startswith(f"{name}.") for tr in w.ledger.tracked.values())
+        assert sum(ev.kind == "backward" for ev in w.ledger.events) == steps[name] + 2
+        assert sum(ev.kind == "step" for ev in w.ledger.events) == steps[name] + 1
