@@ -178,6 +178,9 @@ class _Gen:
         self.emit("idx = torch.tensor([2, 0, 1])")
         self.emit("mask = torch.tensor([[True, False, False], [False, True, False], "
                   "[False, False, True]])")
+        # The oracle also asserts that check() changes none of their versions or grads.
+        leaves = ", ".join([v.name for v in self.vars] + ["idx"])
+        self.emit(f"oracle.watched = [{leaves}]")
 
     def op(self) -> None:
         r = self.r

@@ -22,7 +22,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,13 +165,13 @@ def run_file(path: Path) -> list[tuple[Block, Block | None, str]]:
     return results
 
 
-@pytest.mark.parametrize("path", DOC_FILES, ids=[p.name for p in DOC_FILES])
+RUNNABLE = [p for p in DOC_FILES if python_cases(p)]
+
+
+@pytest.mark.parametrize("path", RUNNABLE, ids=[p.name for p in RUNNABLE])
 def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not python_cases(path):
-        pytest.skip(f"{path.name} has no ```python blocks")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    start = time.perf_counter()
     for block, expected, output in run_file(path):
         if expected is None:
             continue
@@ -182,7 +181,6 @@ def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
             f"of the ```python block at line {block.line}; missing lines:\n"
             + "\n".join(missing) + f"\n--- output:\n{output}"
         )
-    assert time.perf_counter() - start < 20, f"{path.name}'s examples are too slow for the docs"
 
 
 def test_readme_output_is_compared() -> None:

@@ -137,7 +137,12 @@ def _assert_unpatched(backward_before: object, module: nn.Module) -> None:
     assert torch.autograd.backward is _RAW_BACKWARD
     assert torch.autograd.grad.__module__ == "torch.autograd"
     assert torch.optim.Optimizer.zero_grad is not _watch._zero_grad
-    assert not _watch._ACTIVE and not _watch._ORIGINAL and not _watch._GLOBAL_HANDLES
+    assert not _watch._ACTIVE and not _watch._GLOBAL_HANDLES
+    from torch.optim import optimizer as optim_module
+
+    hooks = [*optim_module._global_optimizer_pre_hooks.values(),
+             *optim_module._global_optimizer_post_hooks.values()]
+    assert _watch._step_pre not in hooks and _watch._step_post not in hooks
     for m in module.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
 
@@ -228,6 +233,41 @@ def test_clean_training_has_no_hazard(
     assert rec.levelno == logging.INFO and "no hazard" in rec.getMessage()
     assert "training_step #3" in rec.getMessage()
     _assert_unpatched(before, model)
+
+
+def test_callable_policy_lets_pytorch_raise(caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[versionwatch.Report] = []
+    model, cb = GAN(reuse_d_graph=True), VersionWatch(on_hazard=seen.append)
+    with caplog.at_level(logging.INFO, logger="versionwatch"):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            _trainer(cb).fit(model)
+    assert len(seen) == 1 and seen[0].hazards[0].tensor == "model.discriminator.2.weight"
+    [rec] = [r for r in caplog.records if r.name == "versionwatch"]
+    assert rec.levelno == logging.ERROR and "as predicted" in rec.getMessage()
+
+
+class FusedGAN(GAN):
+    """Fused Adam updates D without a version bump: PyTorch raises nothing."""
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.Adam(self.generator.parameters(), lr=1e-3),
+                torch.optim.Adam(self.discriminator.parameters(), lr=1e-3, fused=True)]
+
+
+def test_silent_hazard_is_summarized_at_fit_end(caplog: pytest.LogCaptureFixture) -> None:
+    model, cb = FusedGAN(reuse_d_graph=True), VersionWatch(on_hazard="log")
+    with caplog.at_level(logging.INFO, logger="versionwatch"):
+        trainer = _trainer(cb)
+        trainer.fit(model)                      # wrong gradients, no error
+    assert trainer.state.finished
+    assert len(cb.watcher.reports) == 3         # one per training_step
+    assert all(r.hazards[0].kind == "silent" for r in cb.watcher.reports)
+    summary = caplog.records[-1]
+    assert summary.levelno == logging.WARNING
+    assert "6 backward(s) predicted, 3 with hazards" in summary.getMessage()
+    assert "model.discriminator.2.weight" in summary.getMessage()
+    assert "Adam[1].step() #3" in summary.getMessage()   # the timeline
+    _assert_unpatched(_RAW_BACKWARD, model)
 
 
 def test_log_timeline_off_and_refit() -> None:

@@ -113,6 +113,16 @@ def train(model_name: str, opt_name: str, watched: bool, steps: int = 50):
     return model
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Two runs of 50 steps are quick on one thread; two threads fight the rest of a CI box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_bitwise_identical_after_50_steps(model_name: str, opt_name: str):
@@ -139,7 +149,7 @@ def rss_bytes() -> int:
 
 def live_tensors() -> int:
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
@@ -182,14 +192,39 @@ class Marker(torch.Tensor):
     """A tensor subclass, so that the test can find every live instance."""
 
 
-def graph_with_marked_activation(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor,
-                                                            weakref.ref[torch.Tensor]]:
+class Twice(torch.autograd.Function):
+    """A custom node: unlike built-in nodes, its Python object can be weakly referenced."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return g * 2 + x * 0
+
+
+class Refs:
+    """Weak references to a saved activation and to an autograd node of one graph."""
+
+    def __init__(self, tensor: torch.Tensor, node: Any) -> None:
+        self.tensor = weakref.ref(tensor)
+        self.node = weakref.ref(node)
+
+    def alive(self) -> tuple[bool, bool]:
+        gc.collect()
+        return self.tensor() is not None, self.node() is not None
+
+
+def graph_with_marked_activation(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, Refs]:
     h = model[0](torch.randn(8, 4)).as_subclass(Marker)
-    mid = torch.tanh(h)  # TanhBackward0 saves its result; the next mul saves h
+    mid = Twice.apply(torch.tanh(h))  # TanhBackward0 saves its result; the next mul saves h
     out = model[2](mid * h)
-    ref = weakref.ref(h)
+    refs = Refs(h, mid.grad_fn)
     first, second = out.pow(2).mean(), out.abs().mean()
-    return first, second, ref
+    return first, second, refs
 
 
 def marked_alive() -> int:
@@ -200,17 +235,14 @@ def marked_alive() -> int:
 def test_graph_is_freed_after_a_watched_backward():
     model = mlp()
     with versionwatch.watch(model):
-        first, second, ref = graph_with_marked_activation(model)
+        first, second, refs = graph_with_marked_activation(model)
         first.backward(retain_graph=True)
-        gc.collect()
-        assert ref() is not None  # the retained graph still holds it
+        assert refs.alive() == (True, True)  # the retained graph still holds them
         del first
-        gc.collect()
-        assert ref() is not None  # second still needs it
-        second.backward()
+        assert refs.alive() == (True, True)  # second still needs them
+        second.backward(retain_graph=True)
         del second
-        gc.collect()
-        assert ref() is None
+        assert refs.alive() == (False, False)
         assert marked_alive() == 0
 
 
@@ -218,7 +250,7 @@ def test_graph_is_freed_after_a_backward_that_raised():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with versionwatch.watch(model, opt) as w:
-        first, second, ref = graph_with_marked_activation(model)
+        first, second, refs = graph_with_marked_activation(model)
         first.backward(retain_graph=True)
         opt.step()
         kept = None
@@ -227,11 +259,9 @@ def test_graph_is_freed_after_a_backward_that_raised():
         except InplaceModificationError as e:
             kept = e.with_traceback(None)  # a user may keep the error and its report
         assert kept is not None and kept.report.hazards[0].tensor == "model.2.weight"
-        gc.collect()
-        assert ref() is not None  # the graph was not run, so still there
+        assert refs.alive() == (True, True)  # the graph was not run, so still there
         del first, second
-        gc.collect()
-        assert ref() is None
+        assert refs.alive() == (False, False)
         assert marked_alive() == 0
     assert len(w.reports) == 1  # the report outlives the graph
 
@@ -240,7 +270,7 @@ def test_graph_is_freed_after_pytorchs_own_error():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with versionwatch.watch(model, opt, on_hazard="warn"):
-        first, second, ref = graph_with_marked_activation(model)
+        first, second, refs = graph_with_marked_activation(model)
         first.backward(retain_graph=True)
         opt.step()
         kept = None
@@ -251,8 +281,7 @@ def test_graph_is_freed_after_pytorchs_own_error():
                 kept = e.with_traceback(None)
         assert kept is not None and getattr(kept, "__notes__", None)
         del first, second
-        gc.collect()
-        assert ref() is None
+        assert refs.alive() == (False, False)
         assert marked_alive() == 0
 
 

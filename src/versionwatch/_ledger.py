@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,9 +28,12 @@ class Event:
     site: Site | None = None
 
 
-@dataclass(frozen=True)
-class Transition:
-    """A tensor's version moved from ``old`` to ``new`` (equal for a silent write)."""
+class Transition(NamedTuple):
+    """A tensor's version moved from ``old`` to ``new`` (equal for a silent write).
+
+    A named tuple, not a frozen dataclass: a step makes one per parameter, and
+    a tuple is five times cheaper to make.
+    """
 
     old: int
     new: int
@@ -53,6 +56,11 @@ class Tracked:
         self.grad_mark: tuple[bool, int | None, int] | None = None
 
 
+_Layout = tuple[
+    list[int], list["weakref.ref[torch.Tensor]"], list[Tracked], list[int], dict[int, int]
+]
+
+
 class Ledger:
     """Versions of the watched tensors at each event."""
 
@@ -63,6 +71,9 @@ class Ledger:
         self.versions: deque[dict[int, int]] = deque(maxlen=max_events)
         self.max_history = max_history
         self.count = 0
+        # The fast path of _scan: (keys, refs, tracked, last versions, last
+        # snapshot) in ``tracked`` order; None after ``tracked`` changed.
+        self._layout: _Layout | None = None
 
     # -- tensors -------------------------------------------------------------------
     def track(self, name: str, t: torch.Tensor) -> None:
@@ -71,6 +82,7 @@ class Ledger:
         tr = Tracked(name, t, self.max_history)
         self.tracked[id(t)] = tr
         self.by_name[name] = tr
+        self._layout = None
 
     def names(self) -> dict[int, str]:
         return {k: tr.name for k, tr in self.tracked.items()}
@@ -111,6 +123,27 @@ class Ledger:
         site: Site | None,
         notes: dict[int, str] | None = None,
     ) -> dict[int, int]:
+        layout = self._layout
+        if layout is not None:
+            keys, refs, trs, last, snapshot = layout
+            try:
+                now = [r()._version for r in refs]  # type: ignore[union-attr]
+            except AttributeError:  # a watched tensor died: the slow path drops it
+                now = None
+            if now is not None:
+                if now == last:  # nothing moved: share the previous snapshot
+                    return snapshot
+                mod = None
+                for k, (v, old) in enumerate(zip(now, last)):
+                    if v != old:
+                        mod = mod or cause or self._between(upcoming, site)
+                        trs[k].history.append(
+                            Transition(old, v, self.count, mod, (notes or {}).get(keys[k], ""))
+                        )
+                        trs[k].last = v
+                snapshot = dict(zip(keys, now))
+                self._layout = (keys, refs, trs, now, snapshot)
+                return snapshot
         versions: dict[int, int] = {}
         dead = []
         for key, tr in self.tracked.items():
@@ -130,6 +163,9 @@ class Ledger:
             tr = self.tracked.pop(key)
             if self.by_name.get(tr.name) is tr:
                 del self.by_name[tr.name]
+        trs = list(self.tracked.values())
+        self._layout = (list(self.tracked), [tr.ref for tr in trs], trs,
+                        [tr.last for tr in trs], versions)
         return versions
 
     def _between(self, upcoming: str, site: Site | None) -> Modification:

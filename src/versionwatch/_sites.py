@@ -52,14 +52,28 @@ def user_frame(skip: int = 1) -> tuple[FrameType | None, int]:
     return frame, level
 
 
+# (file, line) -> Site, for the working directory in _SITES_CWD: a training loop
+# asks for the same few lines at every step.
+_SITES: dict[tuple[str, int], Site] = {}
+_SITES_CWD = [""]
+
+
 def user_site(skip: int = 2) -> Site | None:
     """``file:line`` (and the source line) of the user's code that called into us."""
     frame, _ = user_frame(skip)
     if frame is None:
         return None
-    filename = frame.f_code.co_filename
-    line = frame.f_lineno
-    return Site(_short(filename), line, linecache.getline(filename, line).strip())
+    key = (frame.f_code.co_filename, frame.f_lineno)
+    cwd = os.getcwd()
+    if cwd != _SITES_CWD[0] or len(_SITES) > 4096:
+        _SITES.clear()  # relative paths depend on the working directory
+        _SITES_CWD[0] = cwd
+    site = _SITES.get(key)
+    if site is None:
+        filename, line = key
+        site = Site(_short(filename), line, linecache.getline(filename, line).strip())
+        _SITES[key] = site
+    return site
 
 
 def _short(filename: str) -> str:

@@ -61,6 +61,26 @@ def _current() -> Watcher | None:
         return _ACTIVE[-1] if _ACTIVE else None
 
 
+def _owner(opt: Optimizer) -> Watcher | None:
+    """The open watcher that watches ``opt``'s parameters, innermost first.
+
+    With nested watchers an outer model's optimizer must reach the outer
+    watcher, not the innermost one, which would ignore it.
+    """
+    if getattr(_LOCAL, "busy", False):
+        return None
+    stack = _stack()
+    if stack:
+        candidates = stack[::-1]
+    else:
+        with _LOCK:
+            candidates = _ACTIVE[::-1]
+    for w in candidates:
+        if not w._closed and w._optimizer(opt) is not None:
+            return w
+    return None
+
+
 def _add_note(err: BaseException, text: str) -> None:
     if hasattr(err, "add_note"):
         err.add_note(text)
@@ -94,19 +114,19 @@ def _grad(*args: Any, **kwargs: Any) -> Any:
 
 def _zero_grad(self: Optimizer, set_to_none: bool = True) -> None:
     _ORIGINAL["zero_grad"](self, set_to_none)
-    w = _current()
+    w = _owner(self)
     if w is not None:
         w._on_zero_grad(self, set_to_none)
 
 
 def _step_pre(opt: Optimizer, args: Any, kwargs: Any) -> None:
-    w = _current()
+    w = _owner(opt)
     if w is not None:
         w._on_step_pre(opt)
 
 
 def _step_post(opt: Optimizer, args: Any, kwargs: Any) -> None:
-    w = _current()
+    w = _owner(opt)
     if w is not None:
         w._on_step_post(opt)
 
@@ -132,9 +152,11 @@ def _install() -> None:
 def _uninstall() -> None:
     import torch.autograd as autograd
 
-    autograd.backward = _ORIGINAL.pop("backward")
-    autograd.grad = _ORIGINAL.pop("grad")
-    Optimizer.zero_grad = _ORIGINAL.pop("zero_grad")  # type: ignore[method-assign]
+    # The originals stay in _ORIGINAL: a wrapper someone kept a reference to
+    # (``from torch.autograd import backward`` inside a watch block) still works.
+    autograd.backward = _ORIGINAL["backward"]
+    autograd.grad = _ORIGINAL["grad"]
+    Optimizer.zero_grad = _ORIGINAL["zero_grad"]  # type: ignore[method-assign]
     while _GLOBAL_HANDLES:
         _GLOBAL_HANDLES.pop().remove()
 
@@ -377,17 +399,23 @@ class Watcher:
         self.ledger.record("backward", f"backward #{n}", site)
         _LOCAL.busy = True
         ended = False
+        scope = self._scope()
+        names, silent = self._names, self._silent
+        if len(scope) > 1:  # nested watchers: name what any of them watches
+            names, silent = {}, {}
+            for w in reversed(scope):
+                names.update(w._names)
+                silent.update(w._silent)
         try:
             try:
-                report: Report | None = predict(outputs, inputs, api, self._names,  # type: ignore[arg-type]
-                                                self._silent or None)
+                report: Report | None = predict(outputs, inputs, api, names,  # type: ignore[arg-type]
+                                                silent or None)
             except (TypeError, ValueError):
                 report = None  # PyTorch will say what is wrong with the arguments
             if report is not None:
                 report.backward_site = site
                 if not report.ok:
-                    self._explain(report)
-                    self._dispatch(report)
+                    self._explain(report, scope)._dispatch(report)
             try:
                 return call()
             except RuntimeError as e:
@@ -406,13 +434,28 @@ class Watcher:
         self.ledger.record("backward_end", f"backward #{n}", None,
                            cause=Modification("backward", f"during backward #{n}"))
 
-    def _explain(self, report: Report) -> None:
+    def _scope(self) -> list[Watcher]:
+        """This watcher, then the other open watchers of its thread, innermost first."""
+        return [self, *(w for w in reversed(self._thread_stack) if w is not self and not w._closed)]
+
+    def _explain(self, report: Report, scope: list[Watcher] | None = None) -> Watcher:
+        """Blame each hazard in the ledger that tracks its tensor; return the owner.
+
+        The owner, the watcher of the first hazard's tensor, keeps the report.
+        """
+        scope = scope or [self]
+
+        def tracker(key: int | None) -> Watcher:
+            return next((w for w in scope if key is not None and key in w.ledger.tracked), self)
+
         for h in report.hazards:
             if h.key is not None:
-                self.ledger.blame(h, h.key)
+                tracker(h.key).ledger.blame(h, h.key)
             h.fix = fix_for(h)
-        report.timeline = self.timeline(report=report)
-        self.reports.append(report)
+        owner = tracker(report.hazards[0].key if report.hazards else None)
+        report.timeline = owner.timeline(report=report)
+        owner.reports.append(report)
+        return owner
 
     def _dispatch(self, report: Report) -> None:
         __tracebackhide__ = True

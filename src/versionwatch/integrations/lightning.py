@@ -223,9 +223,12 @@ class VersionWatch(pl.Callback):
         hazards = len(w.reports)
         backwards = w._backwards
         if hazards:
+            kept = w.reports.maxlen
+            count = f"{hazards}+" if kept is not None and hazards >= kept else str(hazards)
+            headline = str(w.reports[-1]).splitlines()[0].removeprefix("versionwatch: ")
             logger.warning(
-                "versionwatch: fit ended; %d backward(s) predicted, %d with hazards; "
-                "the latest:\n%s\n%s", backwards, hazards, w.reports[-1], w.timeline(),
+                "versionwatch: fit ended; %d backward(s) predicted, %s with hazards; "
+                "the latest: %s\n%s", backwards, count, headline, w.timeline(),
             )
         else:
             t = w.timeline()

@@ -1,0 +1,331 @@
+"""Strict mode: see each write to a saved tensor's memory at the line that makes it.
+
+Two parts, both installed only while a strict watcher is open:
+
+- **Saved-tensor records.** A ``saved_tensors_hooks`` pair packs every tensor
+  autograd saves into a :class:`SavedRecord` (a detached alias, which shares the
+  storage and the version counter, plus the version at save time and the module
+  being run). Records are indexed by storage, held weakly: they die with their
+  graph. Since PyTorch skips its own version check for hooked tensors, the
+  unpack hook runs that check itself and raises PyTorch's exact error.
+- **Write interception.** The Python entry points of every in-place op (the
+  ``Tensor`` methods ending in ``_``, ``x[i] = v``, ``+=`` and friends, the
+  ``torch``/``torch._C._nn`` in-place functions, ``_foreach_*_``, ``_fused_*_``,
+  ``set_``, ``resize_``, and ``out=`` on ``torch`` functions) are wrapped. A write
+  whose target shares storage with a live record is recorded with the op, the
+  user's ``file:line`` and source line; a write to any other memory costs one
+  dict lookup. Writes through ``.data`` and by fused optimizer kernels bump no
+  version: they are recorded as ``silent``.
+
+Writes made inside C++ kernels (BatchNorm's running stats) and inside
+``torch.compile`` regions are not seen; fused optimizer steps are seen through
+``torch._fused_*_``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from versionwatch._report import Hazard, Modification
+from versionwatch._sites import user_site
+
+_ERR = (
+    "one of the variables needed for gradient computation has been modified by an inplace "
+    "operation: [{type} [{shape}]] is at version {now}; expected version {saved} instead. "
+    "Hint: enable anomaly detection to find the operation that failed to compute its "
+    "gradient, with torch.autograd.set_detect_anomaly(True, check_nan=False)."
+)
+# In-place methods that change metadata only, never memory.
+_METADATA_ONLY = frozenset({
+    "requires_grad_", "share_memory_", "detach_", "squeeze_", "unsqueeze_", "t_",
+    "transpose_", "swapaxes_", "swapdims_", "as_strided_", "_coalesced_", "rename_",
+    "_dtensor__new__", "resize_as_sparse_", "sparse_resize_", "sparse_resize_and_clear_",
+    "retain_grad_", "_mkldnn_transpose_",
+})
+_DUNDER_WRITES = ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+                  "__idiv__", "__ifloordiv__", "__imod__", "__ipow__", "__iand__",
+                  "__ior__", "__ixor__", "__ilshift__", "__irshift__")
+
+
+class SavedRecord:
+    """What strict mode keeps of one saved tensor (the graph owns it)."""
+
+    __slots__ = ("__weakref__", "forward", "ids", "module", "silent", "tensor", "version",
+                 "writes")
+
+    def __init__(self, t: torch.Tensor, module: str | None, forward: str | None) -> None:
+        self.tensor = t.detach()  # no grad_fn: a saved output would form a cycle
+        self.version = t._version
+        base = t._base
+        self.ids = (id(t), id(base) if base is not None else None)
+        self.module = module
+        self.forward = forward
+        self.writes: list[Modification] = []
+        self.silent = False
+
+
+class _State:
+    """Process-wide strict state, shared by every open strict watcher."""
+
+    def __init__(self) -> None:
+        self.registry: dict[int, list[weakref.ref[SavedRecord]]] = {}
+        self.owners: list[Any] = []  # open strict watchers
+        self.patches: list[tuple[Any, str, Any, bool]] = []
+        self.data_aliases: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        self.handles: list[Any] = []
+        self.local = threading.local()
+        self.purge_at = 1024
+
+
+STATE = _State()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _module_stack() -> list[str]:
+    stack: list[str] | None = getattr(STATE.local, "modules", None)
+    if stack is None:
+        stack = STATE.local.modules = []
+    return stack
+
+
+def pack(t: torch.Tensor) -> SavedRecord:
+    stack = _module_stack()
+    rec = SavedRecord(t, stack[-1] if stack else None, getattr(STATE.local, "forward", None))
+    key = _storage_key(t)
+    if key:
+        refs = STATE.registry.get(key)
+        if refs is None:
+            STATE.registry[key] = [weakref.ref(rec)]
+        else:
+            refs.append(weakref.ref(rec))
+        if len(STATE.registry) > STATE.purge_at:
+            _purge()
+    return rec
+
+
+def unpack(rec: SavedRecord) -> torch.Tensor:
+    t = rec.tensor
+    if t._version != rec.version:
+        # PyTorch skips its own check for hooked tensors: make the same one.
+        raise RuntimeError(_ERR.format(type=t.type(), shape=", ".join(map(str, t.shape)),
+                                       now=t._version, saved=rec.version))
+    return t
+
+
+def _purge() -> None:
+    registry = STATE.registry
+    for key in [k for k, refs in registry.items() if all(r() is None for r in refs)]:
+        del registry[key]
+    STATE.purge_at = max(1024, 2 * len(registry))
+
+
+def _live(key: int) -> list[SavedRecord]:
+    refs = STATE.registry.get(key)
+    if not refs:
+        return []
+    live = [rec for r in refs if (rec := r()) is not None]
+    if len(live) != len(refs):
+        if live:
+            STATE.registry[key] = [weakref.ref(rec) for rec in live]
+        else:
+            del STATE.registry[key]
+    return live
+
+
+def _targets(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    out = kwargs.get("out")
+    if out is not None:
+        yield from (out if isinstance(out, (tuple, list)) else (out,))
+    if args:
+        first = args[0]
+        if isinstance(first, torch.Tensor):
+            yield first
+        elif isinstance(first, (list, tuple)):
+            yield from (t for t in first if isinstance(t, torch.Tensor))
+
+
+def _is_silent(name: str, t: torch.Tensor) -> bool:
+    if name.startswith("_fused_"):
+        return True  # fused optimizer kernels update in place without a version bump
+    aliases = STATE.data_aliases
+    base = t._base
+    return t in aliases or (base is not None and base in aliases)
+
+
+def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Called before an in-place op; raises under the ``raise`` policy."""
+    if not STATE.registry or getattr(STATE.local, "busy", False):
+        return
+    hits: list[tuple[torch.Tensor, SavedRecord]] = []
+    for t in _targets(name, args, kwargs):
+        key = _storage_key(t)
+        if key:
+            hits += [(t, rec) for rec in _live(key)]
+    if not hits:
+        return
+    STATE.local.busy = True
+    try:
+        _report_write(name, hits)
+    finally:
+        STATE.local.busy = False
+
+
+def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]]) -> None:
+    site = user_site(3)
+    op = name.strip("_") if name.startswith("__") else name
+    label = {"setitem": "x[...] = value (__setitem__)"}.get(op, f"{op}()")
+    hazards = []
+    for t, rec in hits:
+        silent = _is_silent(name, t)
+        mod = Modification("inplace_op", label + (" (no version bump)" if silent else ""), site)
+        rec.writes.append(mod)
+        rec.silent = rec.silent or silent
+        h = Hazard(
+            kind="silent" if silent else "inplace",
+            node="(a node of a live graph)",
+            slot="?",
+            saved_version=rec.version,
+            current_version=t._version if not silent else rec.version,
+            shape=tuple(rec.tensor.shape),
+            dtype=str(rec.tensor.dtype).replace("torch.", ""),
+            device=str(rec.tensor.device),
+            module=rec.module,
+            saved_during=rec.forward,
+            modified_by=[mod],
+            detected="at_write",
+        )
+        hazards.append((h, rec))
+    for owner in list(STATE.owners):
+        owner._on_strict_write([h for h, _ in hazards], [rec for _, rec in hazards], site)
+
+
+def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    name = attr
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if STATE.registry:
+            on_write(name, args, kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _wrap_out(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    name = f"{attr}(out=)"
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if kwargs and STATE.registry and kwargs.get("out") is not None:
+            on_write(name, (), kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _patch(owner: Any, attr: str, new: Any) -> None:
+    had = attr in vars(owner)
+    old = vars(owner)[attr] if had else getattr(owner, attr)
+    STATE.patches.append((owner, attr, old, had))
+    setattr(owner, attr, new)
+
+
+def _data_getter() -> property:
+    original: Any = vars(torch._C.TensorBase)["data"]
+
+    def get(self: torch.Tensor) -> torch.Tensor:
+        alias = original.__get__(self)
+        if STATE.registry:
+            STATE.data_aliases.add(alias)
+        return alias  # type: ignore[no-any-return]
+
+    def set_(self: torch.Tensor, value: torch.Tensor) -> None:
+        if STATE.registry:
+            on_write("data", (self,), {})
+        original.__set__(self, value)
+
+    return property(get, set_, doc=original.__doc__)
+
+
+def _has_out(fn: Any) -> bool:
+    doc = getattr(fn, "__doc__", None) or ""
+    return "out (Tensor" in doc
+
+
+def install() -> None:
+    """Patch the in-place entry points (process-wide, until :func:`uninstall`)."""
+    tensor = torch.Tensor
+    for attr in dir(tensor):
+        if attr.endswith("_") and not attr.startswith("__") and attr not in _METADATA_ONLY:
+            fn = getattr(tensor, attr, None)
+            if callable(fn):
+                _patch(tensor, attr, _wrap(attr, fn))
+    for attr in _DUNDER_WRITES:
+        fn = getattr(tensor, attr, None)
+        if fn is not None:
+            _patch(tensor, attr, _wrap(attr, fn))
+    _patch(tensor, "data", _data_getter())
+    for mod in (torch, torch._C._nn):
+        for attr in dir(mod):
+            if attr.startswith("__"):
+                continue
+            fn = getattr(mod, attr, None)
+            if not callable(fn) or isinstance(fn, type):
+                continue
+            if attr.endswith("_") and attr not in _METADATA_ONLY:
+                _patch(mod, attr, _wrap(attr, fn))
+            elif mod is torch and _has_out(fn):
+                _patch(mod, attr, _wrap_out(attr, fn))
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+
+    STATE.handles.append(register_module_forward_pre_hook(_enter_module))
+    STATE.handles.append(register_module_forward_hook(_exit_module, always_call=True))
+
+
+def uninstall() -> None:
+    while STATE.patches:
+        owner, attr, old, had = STATE.patches.pop()
+        if had:
+            setattr(owner, attr, old)
+        else:
+            delattr(owner, attr)
+    while STATE.handles:
+        STATE.handles.pop().remove()
+    STATE.registry.clear()
+
+
+_NAMES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def name_modules(root: nn.Module, prefix: str) -> None:
+    """Remember qualified names of ``root``'s submodules for the records."""
+    for qual, sub in root.named_modules():
+        _NAMES.setdefault(sub, f"{prefix}.{qual}" if qual else prefix)
+
+
+def _enter_module(module: nn.Module, args: Any) -> None:
+    _module_stack().append(_NAMES.get(module) or type(module).__name__)
+
+
+def _exit_module(module: nn.Module, args: Any, output: Any) -> None:
+    stack = _module_stack()
+    if stack:
+        stack.pop()
+
+
