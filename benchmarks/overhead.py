@@ -78,7 +78,7 @@ def tiny_mlp() -> Setup:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     x, target = torch.randn(4, 32), torch.randn(4, 32)
     return Setup("(a) tiny MLP: 50 x Linear(32,32)+Tanh, batch 4, SGD(momentum)",
-                 model, opt, x, target, steps=40, repeats=50, warmup=50)
+                 model, opt, x, target, steps=20, repeats=40, warmup=30)
 
 
 def transformer() -> Setup:
@@ -88,7 +88,7 @@ def transformer() -> Setup:
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     x, target = torch.randn(8, 64, 256), torch.randn(8, 64, 256)
     return Setup("(b) TransformerEncoder: 6 layers, d_model 256, 8 heads, ff 1024, "
-                 "batch 8 x seq 64, Adam", model, opt, x, target, steps=4, repeats=20, warmup=3)
+                 "batch 8 x seq 64, Adam", model, opt, x, target, steps=3, repeats=20, warmup=3)
 
 
 MODELS: dict[str, Callable[[], Setup]] = {"a": tiny_mlp, "b": transformer}

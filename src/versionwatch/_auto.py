@@ -25,8 +25,8 @@ class AutoWatcher(Watcher):
     Create it with :func:`versionwatch.watch_all`.
     """
 
-    def __init__(self, on_hazard: Policy = "raise") -> None:
-        super().__init__({}, (), on_hazard, prefix=True)
+    def __init__(self, on_hazard: Policy = "raise", strict: bool = False) -> None:
+        super().__init__({}, (), on_hazard, prefix=True, strict=strict)
         self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         ref = weakref.ref(self)
 
@@ -37,7 +37,14 @@ class AutoWatcher(Watcher):
 
         self._handles.append(register_module_forward_pre_hook(hook))
 
+    def _label(self, root: str, n: int) -> str:
+        # Roots appear one by one here, so labels always carry the root's name.
+        return f"{root}.forward #{n}"
+
     def _adopt_root(self, module: nn.Module) -> None:
+        if next(module.parameters(), None) is None and next(module.buffers(), None) is None:
+            self._seen.add(module)  # a loss function: nothing to watch
+            return
         name = _variable_name(module, 2)
         taken = set(self._roots)
         unique, k = name, 1
@@ -52,7 +59,7 @@ class AutoWatcher(Watcher):
         self._on_forward(unique, True)
 
 
-def watch_all(on_hazard: Policy = "raise") -> AutoWatcher:
+def watch_all(on_hazard: Policy = "raise", strict: bool = False) -> AutoWatcher:
     """Watch every module and optimizer the program uses from now on.
 
     This is what ``versionwatch run`` and ``pytest --versionwatch`` use. Root
@@ -61,6 +68,7 @@ def watch_all(on_hazard: Policy = "raise") -> AutoWatcher:
 
     Args:
         on_hazard: as in :func:`versionwatch.watch`.
+        strict: as in :func:`versionwatch.watch`.
 
     Example:
         >>> import torch, versionwatch
@@ -70,4 +78,4 @@ def watch_all(on_hazard: Policy = "raise") -> AutoWatcher:
         >>> sorted(w.ledger.by_name)
         ['model.bias', 'model.weight']
     """
-    return AutoWatcher(on_hazard)
+    return AutoWatcher(on_hazard, strict)

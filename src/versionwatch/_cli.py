@@ -15,7 +15,7 @@ from typing import Any
 
 USAGE = """\
 versionwatch run [--on-hazard raise|warn|log] [--json PATH] [--dot PATH] [--svg PATH]
-                 [--quiet] (SCRIPT | -m MODULE) [ARGS...]
+                 [--quiet] [--strict] (SCRIPT | -m MODULE) [ARGS...]
 versionwatch demo"""
 
 
@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--dot", metavar="PATH", help="write a Graphviz picture of the hazards")
     run.add_argument("--svg", metavar="PATH", help="render the picture with `dot` (if installed)")
     run.add_argument("--quiet", action="store_true", help="print nothing unless there is a hazard")
+    run.add_argument("--strict", action="store_true",
+                     help="strict mode: catch each write to a saved tensor at its line, "
+                     "including writes that bump no version (slower)")
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     run.add_argument("target", nargs=argparse.REMAINDER,
                      help="SCRIPT [ARGS...], or ARGS... with -m")
@@ -78,13 +81,16 @@ def _write_outputs(args: argparse.Namespace, watcher: Any, status: int,
             timeline = watcher.timeline().to_dict()
         except KeyError:
             pass
+        # A superset of Report.to_dict(): every hazard of the run, and how it ended.
         doc = {
             "schema": SCHEMA,
+            "ok": not hazards,
+            "hazards": hazards,
+            "unverifiable": [u for r in reports for u in r.to_dict()["unverifiable"]],
+            "timeline": timeline,
             "target": args.module or (args.target[0] if args.target else None),
             "exit_status": status,
             "exception": None if err is None else f"{type(err).__name__}: {err}",
-            "hazards": hazards,
-            "timeline": timeline,
         }
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=2)
@@ -125,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
     status = 0
     err: BaseException | None = None
-    watcher = versionwatch.watch_all(on_hazard=args.on_hazard)
+    watcher = versionwatch.watch_all(on_hazard=args.on_hazard, strict=args.strict)
     try:
         if args.module:
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)

@@ -13,6 +13,8 @@ _BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
 
 def op_name(node_or_producer: str) -> str:
     """``"SigmoidBackward0"`` or ``"Sigmoid"`` -> ``"sigmoid"``; custom Functions keep theirs."""
+    if node_or_producer.endswith("CopySlices"):
+        return "an in-place op on a view"
     base = _BACKWARD_SUFFIX.sub("", node_or_producer)
     return base.lower() if base.isalnum() and not base.startswith("_") else base
 
@@ -31,6 +33,12 @@ def fix_for(h: Hazard) -> str:
             f"{name} was changed without a version bump (fused optimizer, .data, or a "
             "no_grad write through .data); run every backward that needs it before the "
             "change, or re-run the forward after it"
+        )
+    if h.detected == "at_write" and not h.requires_grad:
+        return (
+            "don't modify a tensor that backward still needs: use the out-of-place form "
+            "(`x = x + y` instead of `x += y`, `inplace=False` for activations) or modify a "
+            "`.clone()`; or run the backward first"
         )
     if h.producer is None and h.requires_grad:
         return (
@@ -60,6 +68,15 @@ def fix_for(h: Hazard) -> str:
 
 
 def _headline(report: Report, h: Hazard) -> str:
+    if h.detected == "at_write":
+        write = h.modified_by[0] if h.modified_by else None
+        what = f"{write.description} at {write.site}" if write and write.site else "this write"
+        if h.kind == "silent":
+            return (f"versionwatch: {what} changes {h.tensor or 'a tensor'}, which a live graph "
+                    "saved for backward, without a version bump: backward would silently "
+                    "compute wrong gradients")
+        return (f"versionwatch: {what} would invalidate {h.tensor or 'a tensor'}, which a live "
+                "graph saved for backward: it would be modified by an inplace operation")
     verb = "backward will fail" if h.detected == "predicted" else "backward failed"
     if h.kind == "freed":
         return (
@@ -77,7 +94,23 @@ def _headline(report: Report, h: Hazard) -> str:
     )
 
 
+def _write_facts(h: Hazard) -> list[tuple[str, str]]:
+    saved = f"at version {h.saved_version}"
+    if h.module:
+        saved += f" in {h.module}"
+    if h.saved_during:
+        saved += f", during {h.saved_during}"
+    facts = [("tensor", h.describe_tensor()), ("saved", saved)]
+    for m in h.modified_by:
+        code = f": {m.site.code}" if m.site and m.site.code else ""
+        facts.append(("write", f"{m.description} at {m.site}{code}" if m.site else m.description))
+    facts += [("note", note) for note in h.notes]
+    return facts
+
+
 def _facts(h: Hazard) -> list[tuple[str, str]]:
+    if h.detected == "at_write":
+        return _write_facts(h)
     facts: list[tuple[str, str]] = []
     if h.kind != "freed":
         facts.append(("tensor", h.describe_tensor()))

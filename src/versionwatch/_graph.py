@@ -102,20 +102,26 @@ class Graph:
         n = len(self.nodes)
         if self.ordered:
             return list(range(n))
-        # A walk cut short leaves found nodes without their edges.
-        children = self.children + [[]] * (n - len(self.nexts))
+        # Straight from the next_functions tuples: building ``children`` first
+        # would cost as much again. A walk cut short leaves found nodes without
+        # their edges (no entry in ``nexts``).
+        index = self.index
+        nexts = self.nexts
         indeg = [0] * n
-        for kids in children:
-            for c in kids:
-                indeg[c] += 1
+        for nf in nexts:
+            for fn, _ in nf:
+                if fn is not None:
+                    indeg[index[fn]] += 1
         order = [i for i in range(n) if indeg[i] == 0]
-        k = 0
-        while k < len(order):
-            for c in children[order[k]]:
-                indeg[c] -= 1
-                if indeg[c] == 0:
-                    order.append(c)
-            k += 1
+        m = len(nexts)
+        for k in order:  # grows as we go
+            if k < m:
+                for fn, _ in nexts[k]:
+                    if fn is not None:
+                        c = index[fn]
+                        indeg[c] -= 1
+                        if indeg[c] == 0:
+                            order.append(c)
         return order
 
 

@@ -133,14 +133,14 @@ class Ledger:
             if now is not None:
                 if now == last:  # nothing moved: share the previous snapshot
                     return snapshot
-                mod = None
+                mod = cause or self._between(upcoming, site)
+                count = self.count
                 for k, (v, old) in enumerate(zip(now, last)):
                     if v != old:
-                        mod = mod or cause or self._between(upcoming, site)
-                        trs[k].history.append(
-                            Transition(old, v, self.count, mod, (notes or {}).get(keys[k], ""))
-                        )
-                        trs[k].last = v
+                        tr = trs[k]
+                        note = notes.get(keys[k], "") if notes else ""
+                        tr.history.append(Transition(old, v, count, mod, note))
+                        tr.last = v
                 snapshot = dict(zip(keys, now))
                 self._layout = (keys, refs, trs, now, snapshot)
                 return snapshot

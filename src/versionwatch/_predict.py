@@ -24,12 +24,14 @@ from versionwatch._explain import fix_for
 from versionwatch._graph import Graph, lease
 from versionwatch._naming import Names, name_of, resolve_names
 from versionwatch._report import Hazard, Report
+from versionwatch._strict import SavedRecord
+from versionwatch._strict import unpack as _strict_unpack
 
 TensorOrTensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 Api = Literal["backward", "grad"]
 
 _VERSION_RE = re.compile(r"is at version (\d+); expected version (\d+) instead")
-_PRODUCER_RE = re.compile(r"which is output \d+ of (\w+)")
+_PRODUCER_RE = re.compile(r"which is output \d+ of ([\w:]+)")
 _FREED = "backward through the graph a second time"
 _RAW_PREFIX = "_raw_saved_"
 
@@ -69,6 +71,9 @@ def _root(t: torch.Tensor, i: int) -> Node:
 _Plan = tuple[tuple[str, str, str], ...]
 _PLANS: dict[type, _Plan] = {}
 _CUSTOM: _Plan = (("saved_tensors", "_raw_saved_tensors", "saved_tensors"),)
+# An in-place op on a view: CopySlices wraps the op's own node, which Python
+# cannot reach (its saved tensors included); see _Checker._copy_slices.
+_COPY_SLICES: _Plan = (("fn", "", ""),)
 _SavedTensor: Any = torch._C._autograd.SavedTensor
 
 
@@ -78,6 +83,8 @@ def _plan(fn: Node) -> _Plan:
     if plan is None:
         if isinstance(fn, BackwardCFunction):
             plan = _CUSTOM
+        elif fn.name() == "torch::autograd::CopySlices":
+            plan = _COPY_SLICES
         else:
             plan = tuple(
                 (a[len(_RAW_PREFIX):], a, "_saved_" + a[len(_RAW_PREFIX):])
@@ -95,51 +102,118 @@ class _Checker:
     """Unpacks every saved tensor of the executed nodes and collects hazards."""
 
     def __init__(self, silent: dict[int, int] | None = None) -> None:
-        self.hazards: list[tuple[int, int, Hazard, torch.Tensor | None]] = []
+        self.hazards: list[tuple[int, int, Hazard, torch.Tensor | SavedRecord | None]] = []
         self.unverifiable: list[tuple[str, str]] = []
         self.checked = 0
         # id(tensor) -> sequence number after its last write that bumped no version.
         self.silent = silent
 
-    def node(self, i: int, fn: Node) -> None:
-        # The hot path: one dict lookup for a node that saves nothing, and three
-        # attribute reads per saved tensor (raw, its hook, the checked getter).
-        plan = _PLANS.get(type(fn))
-        if plan is None:
-            plan = _plan(fn)
-        if not plan:
-            return
-        if plan is _CUSTOM:
-            self._custom(i, fn)
-            return
-        for slot, raw_attr, saved_attr in plan:
-            try:
-                raw = getattr(fn, raw_attr)
-            except RuntimeError as e:
-                self._error(i, fn, slot, None, e)
-                continue
-            if raw is None:
-                continue
-            if raw.__class__ is _SavedTensor:
-                if raw.unpack_hook is not None:
-                    self.unverifiable.append((fn.name(), slot))
+    def run(self, nodes: Sequence[Node], executed: Sequence[bool] | None = None) -> None:
+        """Check every node (or those marked in ``executed``): the hot path.
+
+        One dict lookup per node that saves nothing (AccumulateGrad, TBackward0,
+        ...), and three attribute reads per saved tensor: the raw saved variable,
+        its unpack hook, and the checked getter, which runs PyTorch's version check.
+        """
+        plans = _PLANS
+        silent = self.silent
+        checked = 0
+        try:
+            for i, fn in enumerate(nodes):
+                if executed is not None and not executed[i]:
                     continue
-            elif isinstance(raw, (tuple, list)):
-                self._sequence(i, fn, slot, raw)
-                continue
-            elif _hooked(raw):
-                self.unverifiable.append((fn.name(), slot))
-                continue
+                plan = plans.get(type(fn))
+                if plan is None:
+                    plan = _plan(fn)
+                if not plan:
+                    continue
+                if plan is _CUSTOM:
+                    self._custom(i, fn)
+                    continue
+                if plan is _COPY_SLICES:
+                    self._copy_slices(i, fn)
+                    continue
+                for slot, raw_attr, saved_attr in plan:
+                    try:
+                        raw = getattr(fn, raw_attr)
+                    except RuntimeError as e:
+                        self._error(i, fn, slot, None, e)
+                        continue
+                    if raw.__class__ is not _SavedTensor or raw.unpack_hook is not None:
+                        if raw.__class__ is _SavedTensor and raw.unpack_hook is _strict_unpack:
+                            self._strict(i, fn, slot, raw.data)
+                        else:
+                            self._other(i, fn, slot, raw, saved_attr)
+                        continue
+                    try:
+                        # The generated getter passes the node, which a saved
+                        # *output* needs to unpack; raw.unpack() cannot.
+                        getattr(fn, saved_attr)
+                        checked += 1
+                    except RuntimeError as e:
+                        self._error(i, fn, slot, raw, e)
+                        continue
+                    if silent:
+                        self._silent(i, fn, slot, raw)
+        finally:
+            self.checked += checked
+
+    def _copy_slices(self, i: int, fn: Node) -> None:
+        """Run CopySlices once on zero gradients, as backward would run it.
+
+        The wrapped node's saved tensors (``relu_`` saves its result) are
+        unpacked by its apply() with the engine's own version check, and a
+        CopySlices that an earlier backward released raises "backward through
+        the graph a second time" even when nothing was saved. Calling a node
+        returns gradients and changes nothing: no tensor, no ``.grad``, no hook.
+        """
+        try:
+            grads = [
+                torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+                for m in fn._input_metadata
+            ]
+            with torch.no_grad():
+                fn(*grads)  # type: ignore[operator]
+            self.checked += 1
+        except RuntimeError as e:
+            self._error(i, fn, "fn", None, e)
+        except Exception:
+            self.unverifiable.append((fn.name(), "fn"))
+
+    def _other(self, i: int, fn: Node, slot: str, raw: Any, saved_attr: str) -> None:
+        """A slot that is not one plain saved tensor: empty, a list, or hooked."""
+        if raw is None:
+            return
+        if isinstance(raw, (tuple, list)):
+            self._sequence(i, fn, slot, raw)
+        elif _hooked(raw):
+            self.unverifiable.append((fn.name(), slot))
+        else:
             try:
-                # The generated getter passes the node, which a saved
-                # *output* needs to unpack; raw.unpack() cannot.
                 getattr(fn, saved_attr)
                 self.checked += 1
             except RuntimeError as e:
                 self._error(i, fn, slot, raw, e)
-                continue
+                return
             if self.silent:
                 self._silent(i, fn, slot, raw)
+
+    def _strict(self, i: int, fn: Node, slot: str, rec: SavedRecord) -> None:
+        """A tensor strict mode packed: its record knows the versions and the writes."""
+        self.checked += 1
+        t = rec.tensor
+        if t._version != rec.version:
+            kind: Literal["inplace", "silent"] = "inplace"
+        elif rec.silent:
+            kind = "silent"
+        else:
+            return
+        h = Hazard(kind=kind, node=fn.name(), slot=slot, saved_version=rec.version,
+                   current_version=t._version, shape=tuple(t.shape), dtype=_dtype(t),
+                   device=str(t.device), requires_grad=rec.requires_grad,
+                   saved_output=slot.startswith("result"), module=rec.module,
+                   saved_during=rec.forward, modified_by=list(rec.writes))
+        self.hazards.append((i, len(self.hazards), h, rec))
 
     def _silent(self, i: int, fn: Node, slot: str, raw: Any) -> None:
         data = raw.data
@@ -389,8 +463,9 @@ def predict(
         checker = _Checker(silent)
         targets: set[int] | None = None
         if ins is None:
-            # Every reachable node runs: check each one as the walk finds it.
-            graph.walk(roots, checker.node)
+            # Every reachable node runs: no need to work out which.
+            graph.walk(roots)
+            checker.run(graph.nodes)
             executed = [True] * len(graph.nodes)
             count = len(graph.nodes)
         else:
@@ -403,9 +478,7 @@ def predict(
                 if j is not None:
                     targets.add(j)
             executed = _executed(graph, targets, accumulate=api == "backward")
-            for i, fn in enumerate(graph.nodes):
-                if executed[i]:
-                    checker.node(i, fn)
+            checker.run(graph.nodes, executed)
             count = sum(executed)
         report = Report(
             unverifiable=checker.unverifiable,
@@ -419,7 +492,12 @@ def predict(
             for i, _, h, data in checker.hazards:
                 h.order = position[i]
                 h.path = _path_to(graph, parents, i)
-                if data is not None:
+                if isinstance(data, SavedRecord):
+                    own, base = data.ids
+                    key = own if own in name_map else base
+                    if key is not None and key in name_map:
+                        h.tensor, h.view, h.key = name_map[key], key == base, key
+                elif data is not None:
                     name, via_view = name_of(data, name_map)
                     if name is not None:
                         h.tensor, h.view = name, via_view

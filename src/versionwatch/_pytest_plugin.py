@@ -2,7 +2,8 @@
 
 - ``pytest --versionwatch``: every test runs watched, as under ``versionwatch run``;
   a predicted hazard fails the test with the explanation.
-- ``@pytest.mark.versionwatch(on_hazard="raise")``: watch chosen tests only.
+- ``pytest --versionwatch-strict``: the same in strict mode.
+- ``@pytest.mark.versionwatch(on_hazard="raise", strict=False)``: watch chosen tests only.
 - the ``versionwatch`` fixture: yields the test's watcher (one is opened if needed).
 
 This module imports neither torch nor versionwatch at pytest start-up; only a
@@ -23,6 +24,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("versionwatch")
     group.addoption("--versionwatch", action="store_true", default=False,
                     help="watch every test: predict and explain inplace-modification errors")
+    group.addoption("--versionwatch-strict", action="store_true", default=False,
+                    help="like --versionwatch, in strict mode (each write to a saved tensor "
+                    "is caught at its line)")
     group.addoption("--versionwatch-on-hazard", choices=("raise", "warn", "log"),
                     default="raise", help="what a hazard does under --versionwatch")
 
@@ -30,26 +34,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "versionwatch(on_hazard='raise'): watch this test with versionwatch "
+        "versionwatch(on_hazard='raise', strict=False): watch this test with versionwatch "
         "(every module and optimizer it uses)",
     )
 
 
-def _policy(item: pytest.Item) -> str | None:
+def _policy(item: pytest.Item) -> tuple[str, bool] | None:
+    """``(on_hazard, strict)`` for a watched test, else ``None``."""
+    config = item.config
+    strict = bool(config.getoption("versionwatch_strict"))
     marker = item.get_closest_marker("versionwatch")
     if marker is not None:
-        return str(marker.kwargs.get("on_hazard", *marker.args or ("raise",)))
-    if item.config.getoption("--versionwatch"):
-        return str(item.config.getoption("versionwatch_on_hazard"))
+        policy = marker.kwargs.get("on_hazard", *marker.args or ("raise",))
+        return str(policy), bool(marker.kwargs.get("strict", strict))
+    if config.getoption("versionwatch") or strict:
+        return str(config.getoption("versionwatch_on_hazard")), strict
     return None
 
 
-def _open(item: pytest.Item, policy: str) -> Any:
+def _open(item: pytest.Item, policy: tuple[str, bool]) -> Any:
     watcher = item.stash.get(_KEY, None)
     if watcher is None:
         from versionwatch._auto import watch_all
 
-        watcher = watch_all(on_hazard=policy)  # type: ignore[arg-type]
+        watcher = watch_all(on_hazard=policy[0], strict=policy[1])  # type: ignore[arg-type]
         item.stash[_KEY] = watcher
     return watcher
 
@@ -75,4 +83,4 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
 def versionwatch_fixture(request: pytest.FixtureRequest) -> Any:
     """The test's watcher (opened for this test if the test isn't watched already)."""
     item = request.node
-    return _open(item, _policy(item) or "raise")
+    return _open(item, _policy(item) or ("raise", False))

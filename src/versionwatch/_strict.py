@@ -54,16 +54,28 @@ _DUNDER_WRITES = ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv
                   "__ior__", "__ixor__", "__ilshift__", "__irshift__")
 
 
+_LABELS = {
+    "__setitem__": "x[...] = v", "__iadd__": "+=", "__isub__": "-=", "__imul__": "*=",
+    "__itruediv__": "/=", "__idiv__": "/=", "__ifloordiv__": "//=", "__imod__": "%=",
+    "__ipow__": "**=", "__iand__": "&=", "__ior__": "|=", "__ixor__": "^=",
+    "__ilshift__": "<<=", "__irshift__": ">>=", "data": ".data = ...",
+}
+
+
 class SavedRecord:
     """What strict mode keeps of one saved tensor (the graph owns it)."""
 
-    __slots__ = ("__weakref__", "forward", "ids", "module", "silent", "tensor", "version",
-                 "writes")
+    __slots__ = ("__weakref__", "forward", "ids", "module", "requires_grad", "silent", "tensor",
+                 "version", "writes")
 
     def __init__(self, t: torch.Tensor, module: str | None, forward: str | None) -> None:
         self.tensor = t.detach()  # no grad_fn: a saved output would form a cycle
         self.version = t._version
         base = t._base
+        # A parameter, or a view of one (``weight.t()``); never read grad_fn here:
+        # touching nodes from Python makes deep graphs crash when freed.
+        self.requires_grad = t.requires_grad and (
+            t.is_leaf or (base is not None and base.is_leaf))
         self.ids = (id(t), id(base) if base is not None else None)
         self.module = module
         self.forward = forward
@@ -78,7 +90,9 @@ class _State:
         self.registry: dict[int, list[weakref.ref[SavedRecord]]] = {}
         self.owners: list[Any] = []  # open strict watchers
         self.patches: list[tuple[Any, str, Any, bool]] = []
-        self.data_aliases: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        # id -> weak reference of tensors handed out by ``.data`` (a WeakSet
+        # would compare tensors with ==).
+        self.data_aliases: dict[int, weakref.ref[torch.Tensor]] = {}
         self.handles: list[Any] = []
         self.local = threading.local()
         self.purge_at = 1024
@@ -161,8 +175,12 @@ def _is_silent(name: str, t: torch.Tensor) -> bool:
     if name.startswith("_fused_"):
         return True  # fused optimizer kernels update in place without a version bump
     aliases = STATE.data_aliases
-    base = t._base
-    return t in aliases or (base is not None and base in aliases)
+    for x in (t, t._base):
+        if x is not None:
+            r = aliases.get(id(x))
+            if r is not None and r() is x:
+                return True
+    return False
 
 
 def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -185,8 +203,10 @@ def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
 def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]]) -> None:
     site = user_site(3)
-    op = name.strip("_") if name.startswith("__") else name
-    label = {"setitem": "x[...] = value (__setitem__)"}.get(op, f"{op}()")
+    label = _LABELS.get(name, f"{name}()" if not name.endswith(")") else name)
+    context = getattr(STATE.local, "step", None)
+    if context:
+        label = f"{context} ({label})"
     hazards = []
     for t, rec in hits:
         silent = _is_silent(name, t)
@@ -195,10 +215,10 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]]) -> No
         rec.silent = rec.silent or silent
         h = Hazard(
             kind="silent" if silent else "inplace",
-            node="(a node of a live graph)",
-            slot="?",
+            node="",
+            slot="",
             saved_version=rec.version,
-            current_version=t._version if not silent else rec.version,
+            current_version=t._version,
             shape=tuple(rec.tensor.shape),
             dtype=str(rec.tensor.dtype).replace("torch.", ""),
             device=str(rec.tensor.device),
@@ -208,8 +228,8 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]]) -> No
             detected="at_write",
         )
         hazards.append((h, rec))
-    for owner in list(STATE.owners):
-        owner._on_strict_write([h for h, _ in hazards], [rec for _, rec in hazards], site)
+    if STATE.owners:
+        STATE.owners[-1]._on_strict_write([h for h, _ in hazards], [rec for _, rec in hazards])
 
 
 def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -249,7 +269,12 @@ def _data_getter() -> property:
     def get(self: torch.Tensor) -> torch.Tensor:
         alias = original.__get__(self)
         if STATE.registry:
-            STATE.data_aliases.add(alias)
+            aliases = STATE.data_aliases
+            key = id(alias)
+            def forget(_: object, k: int = key) -> None:
+                aliases.pop(k, None)
+
+            aliases[key] = weakref.ref(alias, forget)
         return alias  # type: ignore[no-any-return]
 
     def set_(self: torch.Tensor, value: torch.Tensor) -> None:
@@ -329,3 +354,22 @@ def _exit_module(module: nn.Module, args: Any, output: Any) -> None:
         stack.pop()
 
 
+
+
+def attach(owner: Any) -> Any:
+    """Start strict mode for ``owner`` on this thread; returns what :func:`detach` takes."""
+    if not STATE.owners:
+        install()
+    STATE.owners.append(owner)
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    hooks.__enter__()
+    return hooks
+
+
+def detach(owner: Any, hooks: Any) -> None:
+    hooks.__exit__(None, None, None)
+    STATE.local.step = STATE.local.forward = None
+    if owner in STATE.owners:
+        STATE.owners.remove(owner)
+    if not STATE.owners:
+        uninstall()

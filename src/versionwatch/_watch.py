@@ -24,10 +24,11 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from versionwatch import _strict
 from versionwatch._config import Policy, resolve_policy
 from versionwatch._errors import InplaceHazardWarning
 from versionwatch._explain import fix_for
-from versionwatch._ledger import Ledger
+from versionwatch._ledger import Ledger, Tracked
 from versionwatch._naming import module_tensors
 from versionwatch._predict import _VERSION_RE, predict, raise_for
 from versionwatch._report import Hazard, Modification, Report, Site
@@ -185,13 +186,19 @@ _Pending = tuple[str, Optional[Site], list[tuple[torch.Tensor, int]], dict[int, 
 
 
 class _OptimizerState:
-    __slots__ = ("label", "pending", "ref", "steps")
+    __slots__ = ("label", "params", "pending", "ref", "steps")
 
     def __init__(self, opt: Optimizer, label: str) -> None:
         self.ref = weakref.ref(opt)
         self.label = label
         self.steps = 0
         self.pending: _Pending | None = None
+        # (ids of each group's params, watched params, their Tracked): reused
+        # while the param groups hold the same tensors.
+        self.params: tuple[list[list[int]], list[torch.Tensor], list[Tracked | None]] | None = None
+
+
+_NO_GRAD = (True, None, 0)  # the grad mark after zero_grad(set_to_none=True)
 
 
 class Watcher:
@@ -205,6 +212,8 @@ class Watcher:
         ledger: the version ledger.
     """
 
+    _kept_grads = False  # set once a zero_grad(set_to_none=False) left grad marks
+
     def __init__(
         self,
         modules: Mapping[str, nn.Module],
@@ -212,8 +221,11 @@ class Watcher:
         on_hazard: Policy,
         *,
         prefix: bool,
+        strict: bool = False,
     ) -> None:
         self.policy = resolve_policy(on_hazard)
+        self.strict = strict
+        self._saved_hooks: Any = None
         self.ledger = Ledger()
         self.reports: deque[Report] = deque(maxlen=100)
         self._names: dict[int, str] = {}
@@ -245,10 +257,14 @@ class Watcher:
             if not _ACTIVE:
                 _install()
             _ACTIVE.append(self)
+            if strict:
+                self._saved_hooks = _strict.attach(self)
         self._thread_stack.append(self)
 
     # -- setup -----------------------------------------------------------------------
     def _add_root(self, name: str, module: nn.Module) -> None:
+        if self.strict:
+            _strict.name_modules(module, name)
         self._roots[name] = weakref.ref(module)
         self._forwards[name] = 0
         for key, (qual, t) in module_tensors(module, name + ".").items():
@@ -300,14 +316,28 @@ class Watcher:
         return self._add_optimizer(opt, explicit=False)
 
     def _watched_params(self, opt: Optimizer) -> list[torch.Tensor]:
+        return self._watched(opt)[0]
+
+    def _watched(self, opt: Optimizer) -> tuple[list[torch.Tensor], list[Tracked | None]]:
+        """The optimizer's watched params and their ledger entries (cached per state)."""
+        state = self._optimizers.get(id(opt))
+        ids = [list(map(id, g["params"])) for g in opt.param_groups]
+        if state is not None and state.params is not None and state.params[0] == ids:
+            return state.params[1], state.params[2]
         out = []
+        complete = True
         for g in opt.param_groups:
             for p in g["params"]:
                 if id(p) not in self._names:
                     self._adopt(p)  # e.g. add_param_group after watch() began
                 if id(p) in self._names:
                     out.append(p)
-        return out
+                else:
+                    complete = False  # try to adopt it again next time
+        trs = [self.ledger.tracked.get(id(p)) for p in out]
+        if state is not None and state.ref() is opt and complete:
+            state.params = (ids, out, trs)
+        return out, trs
 
     def _adopt(self, p: torch.Tensor) -> None:
         for root, ref in self._roots.items():
@@ -325,9 +355,14 @@ class Watcher:
         if pre:
             self._forwards[root] += 1
             n = self._forwards[root]
-            self.ledger.record("forward", self._label(root, n), user_site(3))
+            event = self.ledger.record("forward", self._label(root, n), user_site(3))
+            if self.strict:
+                _strict.STATE.local.forward = (
+                    f"{event.label} at {event.site}" if event.site else event.label)
         else:
             label = self._label(root, self._forwards[root])
+            if self.strict:
+                _strict.STATE.local.forward = None
             self.ledger.record(
                 "forward_end", label, None,
                 cause=Modification("module_forward", f"during {label} of {root}"),
@@ -337,12 +372,20 @@ class Watcher:
         state = self._optimizer(opt)
         if state is None:
             return
-        for p in self._watched_params(opt):
-            tr = self.ledger.tracked.get(id(p))
-            if tr is not None:
-                g = p.grad
-                tr.grad_mark = (set_to_none, None if g is None else id(g),
-                                0 if g is None else g._version)
+        params, trs = self._watched(opt)
+        if set_to_none:  # every .grad is None now
+            # Until some zero_grad keeps grads, every mark is None or _NO_GRAD,
+            # and both mean the same to _on_step_pre: nothing to update.
+            for tr in trs if self._kept_grads else ():
+                if tr is not None:
+                    tr.grad_mark = _NO_GRAD
+        else:
+            self._kept_grads = True
+            for p, tr in zip(params, trs):
+                if tr is not None:
+                    g = p.grad
+                    tr.grad_mark = (set_to_none, None if g is None else id(g),
+                                    0 if g is None else g._version)
         self.ledger.record("zero_grad", f"{state.label}.zero_grad(set_to_none={set_to_none})",
                            user_site(3))
 
@@ -355,12 +398,18 @@ class Watcher:
         site = user_site(3)
         self.ledger.sync(label, site)
         touched, notes = [], {}
-        for p in self._watched_params(opt):
+        params, trs = self._watched(opt)  # also adopts params added since
+        # Only fused steps need the versions before, and only zero_grad(set_to_none=
+        # False) leaves marks that make notes: otherwise skip the per-param loop.
+        if not (self._kept_grads or any(g.get("fused") for g in opt.param_groups)):
+            params = []
+        for p, tr in zip(params, trs):
             g = p.grad
             if g is None:
                 continue
             touched.append((p, p._version))
-            tr = self.ledger.tracked[id(p)]
+            if tr is None:
+                continue
             mark = tr.grad_mark
             if mark is not None and not mark[0] and mark[1] == id(g) and mark[2] == g._version:
                 notes[id(p)] = (
@@ -370,6 +419,8 @@ class Watcher:
                     "is not None"
                 )
         state.pending = (label, site, touched, notes)
+        if self.strict:
+            _strict.STATE.local.step = label
 
     def _on_step_post(self, opt: Optimizer) -> None:
         state = self._optimizer(opt)
@@ -377,6 +428,8 @@ class Watcher:
             return
         label, site, touched, notes = state.pending
         state.pending = None
+        if self.strict:
+            _strict.STATE.local.step = None
         self.ledger.record("step", label, site, cause=Modification("optimizer.step", label, site),
                            notes=notes)
         if any(g.get("fused") for g in opt.param_groups):
@@ -449,7 +502,8 @@ class Watcher:
             return next((w for w in scope if key is not None and key in w.ledger.tracked), self)
 
         for h in report.hazards:
-            if h.key is not None:
+            # Strict mode's records already name the exact writes.
+            if h.key is not None and not h.modified_by:
                 tracker(h.key).ledger.blame(h, h.key)
             h.fix = fix_for(h)
         owner = tracker(report.hazards[0].key if report.hazards else None)
@@ -529,12 +583,36 @@ class Watcher:
         self._closed = True
         self._remove_hooks()
         with _LOCK:
+            if self._saved_hooks is not None:
+                _strict.detach(self, self._saved_hooks)
+                self._saved_hooks = None
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
                 if not _ACTIVE:
                     _uninstall()
         if self in self._thread_stack:
             self._thread_stack.remove(self)
+
+    def _on_strict_write(self, hazards: list[Hazard], records: list[Any]) -> None:
+        """Strict mode saw a write to memory that a live graph saved."""
+        __tracebackhide__ = True
+        names = self._names
+        for h, rec in zip(hazards, records):
+            own, base = rec.ids
+            name = names.get(own) or (names.get(base) if base is not None else None)
+            if name is not None:
+                h.tensor, h.key, h.requires_grad = name, own if own in names else base, True
+            h.fix = fix_for(h)
+            if self.policy == "raise":
+                h.notes.append("stopped before the write: nothing was modified")
+        if self.policy == "raise":
+            # The raise unwinds the step: its post-hook will not run.
+            _strict.STATE.local.step = None
+            for state in self._optimizers.values():
+                state.pending = None
+        report = Report(hazards=hazards)
+        self.reports.append(report)
+        self._dispatch(report)
 
     def _remove_hooks(self) -> None:
         while self._handles:
@@ -555,6 +633,7 @@ def watch(
     modules: nn.Module | Mapping[str, nn.Module],
     *optimizers: Optimizer,
     on_hazard: Policy = "raise",
+    strict: bool = False,
 ) -> Watcher:
     """Watch modules (and optimizers): predict and explain every backward.
 
@@ -568,6 +647,9 @@ def watch(
             backward runs), ``"warn"`` (an :class:`InplaceHazardWarning` at your
             backward call), ``"log"`` (the ``versionwatch`` logger), or a callable
             that takes the :class:`Report`. ``$VERSIONWATCH_ON_HAZARD`` overrides it.
+        strict: also catch each write to a saved tensor at the line that makes it,
+            including writes that bump no version (``.data``, fused optimizers);
+            see :mod:`versionwatch._strict`. Costs more: opt-in.
 
     Returns:
         A :class:`Watcher`, active until closed; use it as a context manager.
@@ -598,4 +680,4 @@ def watch(
             "watch() takes an nn.Module or a non-empty dict of named modules; "
             f"got {type(modules).__name__}"
         )
-    return Watcher(named, optimizers, on_hazard, prefix=True)
+    return Watcher(named, optimizers, on_hazard, prefix=True, strict=strict)

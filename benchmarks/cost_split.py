@@ -1,0 +1,171 @@
+"""Where watch()'s time goes: its own CPU time per training step, part by part.
+
+overhead.py measures whole steps, which on a busy machine carry a few percent
+of noise: more than watch() costs on a compute-bound model. This script instead
+times versionwatch's own code from inside the step: it wraps the watcher's
+entry points and the predictor's phases with ``time.perf_counter`` and reports
+the mean microseconds per step of each, next to the unwatched step time.
+
+It patches private functions (``versionwatch._watch``, ``_predict``, ``_graph``,
+``_ledger``), so it follows the code, not the API: update it when they move.
+What it cannot see: the Python-level hook dispatch (nn.Module's hook path, the
+patched ``autograd.backward`` and ``Optimizer.zero_grad`` wrappers), garbage
+collection caused by our allocations, and cache effects on torch's own work.
+Those are the gap between the "self time" total here and overhead.py's ratio.
+
+Usage:
+  python benchmarks/cost_split.py                 # both models
+  python benchmarks/cost_split.py --models a --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import MODELS, Setup, step, versionwatch  # the models and the step
+
+from versionwatch import _graph, _ledger, _predict, _watch
+
+TOTALS: dict[str, float] = defaultdict(float)
+COUNTS: dict[str, int] = defaultdict(int)
+
+
+def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    clock = time.perf_counter
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = clock()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTALS[name] += clock() - t
+            COUNTS[name] += 1
+
+    return wrapper
+
+
+def _run_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Time _run_backward without the backward itself (the ``call`` it is given)."""
+    clock = time.perf_counter
+
+    def wrapper(self: Any, api: str, outputs: Any, inputs: Any, call: Callable[[], Any]) -> Any:
+        spent = [0.0]
+
+        def timed_call() -> Any:
+            t = clock()
+            try:
+                return call()
+            finally:
+                spent[0] += clock() - t
+
+        t = clock()
+        try:
+            return original(self, api, outputs, inputs, timed_call)
+        finally:
+            TOTALS["backward: prediction and events"] += clock() - t - spent[0]
+            COUNTS["backward: prediction and events"] += 1
+
+    return wrapper
+
+
+# (owner, attribute, label); the first group is disjoint and sums to the self time.
+TOP = [
+    (_watch.Watcher, "_on_forward", "forward hooks (2 events)"),
+    (_watch.Watcher, "_on_zero_grad", "zero_grad event"),
+    (_watch.Watcher, "_on_step_pre", "step pre-hook (sync)"),
+    (_watch.Watcher, "_on_step_post", "step post-hook (event)"),
+    (_graph._Lease, "release_one", "lease release (when the loss dies)"),
+]
+INNER = [
+    (_watch, "predict", "  predict() total"),
+    (_predict.Graph, "walk", "    graph walk"),
+    (_predict._Checker, "run", "    saved-tensor checks"),
+    (_predict, "lease", "    lease (taking it)"),
+    (_ledger.Ledger, "record", "  ledger.record (all events)"),
+    (_ledger.Ledger, "sync", "  ledger.sync"),
+    (_watch, "user_site", "  user_site (all events)"),
+]
+
+
+def install() -> Callable[[], None]:
+    saved = []
+    for owner, attr, label in TOP + INNER:
+        original = owner.__dict__[attr]
+        saved.append((owner, attr, original))
+        setattr(owner, attr, _timed(label, original))
+    original = _watch.Watcher.__dict__["_run_backward"]
+    saved.append((_watch.Watcher, "_run_backward", original))
+    _watch.Watcher._run_backward = _run_backward(original)  # type: ignore[method-assign]
+
+    def uninstall() -> None:
+        for owner, attr, original in saved:
+            setattr(owner, attr, original)
+
+    return uninstall
+
+
+def unwatched_median(s: Setup, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step(s)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def split(s: Setup, steps: int, warmup: int) -> None:
+    for _ in range(warmup):
+        step(s)
+    base = unwatched_median(s, steps)
+    uninstall = install()
+    try:
+        with versionwatch.watch(s.model, s.opt):
+            for _ in range(warmup):
+                step(s)
+            TOTALS.clear()
+            COUNTS.clear()
+            for _ in range(steps):
+                step(s)
+    finally:
+        uninstall()
+    per_step = {k: v / steps * 1e6 for k, v in TOTALS.items()}
+    top = ["backward: prediction and events"] + [label for _, _, label in TOP]
+    total = sum(per_step.get(k, 0.0) for k in top)
+    print(f"\n### {s.label}\n")
+    print(f"unwatched median step: {base * 1e3:.3f} ms; {steps} watched steps timed\n")
+    print("| part | us per step | share of self time | % of unwatched step |")
+    print("|---|---:|---:|---:|")
+    for label in top + [label for _, _, label in INNER]:
+        us = per_step.get(label, 0.0)
+        name = label.replace("  ", "&nbsp;&nbsp;") if label.startswith(" ") else label
+        print(f"| {name} | {us:.1f} | {us / total:.0%} | {us / (base * 1e6):.2%} |")
+    print(f"| **self time total** | **{total:.1f}** | 100% | **{total / (base * 1e6):.2%}** |")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="a,b")
+    p.add_argument("--steps", type=int, help="timed steps (default: 400 for a, 20 for b)")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}")
+    for key in [k.strip() for k in args.models.split(",") if k.strip()]:
+        s = MODELS[key]()
+        steps = args.steps or (400 if key == "a" else 20)
+        split(s, steps, warmup=30 if key == "a" else 3)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""benchmarks/overhead.py runs end to end (a smoke run: no timing is asserted)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "overhead.py"
+CONFIGS = ("unwatched", "watch", "detect_anomaly", "allow_mutation")
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)
+
+
+def table_rows(out: str) -> list[list[str]]:
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in rows]
+
+
+def test_quick_run_prints_a_table_per_model_with_every_configuration() -> None:
+    p = run("--quick")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("| configuration |") == 2, p.stdout  # models a and b
+    names = [r[0] for r in table_rows(p.stdout) if r[0] != "configuration"]
+    for config in CONFIGS:
+        assert names.count(config) == 2, (config, p.stdout)
+    for row in table_rows(p.stdout):
+        if row[0] in CONFIGS:
+            assert float(row[1]) > 0 and row[2].endswith("x"), row
+
+
+def test_quick_run_of_one_model_with_strict_flag() -> None:
+    p = run("--quick", "--models", "a", "--strict", "--steps", "1", "--repeats", "1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("| configuration |") == 1, p.stdout
+    names = [r[0] for r in table_rows(p.stdout)]
+    assert all(c in names for c in CONFIGS), p.stdout
+    # watch(strict=True) is timed when watch() takes it, else skipped with a note.
+    assert "watch_strict" in names or "--strict ignored" in p.stderr, (p.stdout, p.stderr)
+
+
+def test_unknown_model_is_an_error() -> None:
+    p = run("--quick", "--models", "z")
+    assert p.returncode != 0
+    assert "unknown model" in p.stderr

@@ -1,0 +1,201 @@
+"""Strict mode: writes to saved memory caught at their line; silent writes; no false alarms."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import versionwatch
+from versionwatch import InplaceModificationError
+
+
+def line_of(fn, text: str) -> int:
+    src, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(src) if text in line)
+
+
+def mlp(act: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), act, nn.Linear(4, 1))
+
+
+def test_write_to_a_saved_activation_raises_before_it_happens():
+    model = mlp(nn.Sigmoid())
+
+    def body():
+        h = model[1](model[0](torch.ones(2, 3)))
+        before = h.clone()
+        with pytest.raises(InplaceModificationError) as info:
+            h.mul_(2)  # the write
+        return h, before, info.value
+
+    with versionwatch.watch(model, strict=True):
+        h, before, err = body()
+    assert torch.equal(h, before), "the write must not have happened"
+    (hz,) = err.report.hazards
+    assert hz.detected == "at_write" and hz.kind == "inplace"
+    assert hz.module == "model.1" and "modified by an inplace operation" in str(err)
+    (m,) = hz.modified_by
+    assert m.kind == "inplace_op" and m.description == "mul_()"
+    assert m.site is not None and m.site.line == line_of(body, "h.mul_(2)")
+    assert m.site.code == "h.mul_(2)  # the write"
+    assert "stopped before the write" in str(err)
+
+
+def test_optimizer_step_on_a_retained_graph_is_caught_in_the_step():
+    model = mlp(nn.Tanh())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with versionwatch.watch(model, opt, strict=True):
+        loss = model(torch.ones(2, 3)).sum()
+        loss.backward(retain_graph=True)
+        w = model[2].weight.detach().clone()
+        with pytest.raises(InplaceModificationError) as info:
+            opt.step()
+    h = info.value.report.hazards[0]
+    assert h.tensor == "model.2.weight" and h.modified_by[0].description.startswith("SGD.step() #1")
+    assert torch.equal(model[2].weight, w)
+
+
+def test_relu_inplace_after_sigmoid_under_log_policy_predicts_with_the_write_site(caplog):
+    model = mlp(nn.Sigmoid())
+    relu = nn.ReLU(inplace=True)
+    with versionwatch.watch(model, strict=True, on_hazard="log") as w:
+        out = relu(model[1](model[0](torch.ones(2, 3))))  # writes sigmoid's saved result
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+    first = w.reports[0].hazards[0]
+    assert first.detected == "at_write" and first.modified_by[0].description == "relu_()"
+    assert first.module == "model.1"
+
+
+def test_no_alarm_for_memory_no_live_graph_saved():
+    model = mlp(nn.Tanh())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    buf = torch.zeros(3)
+    with versionwatch.watch(model, opt, strict=True) as w:
+        x = torch.ones(3)
+        x += 1  # a fresh tensor
+        for _ in range(3):
+            loss = model(torch.ones(2, 3)).sum()
+            loss.backward()  # frees the graph
+            opt.step()  # so this step writes memory no live graph saved
+            opt.zero_grad()
+            with torch.no_grad():
+                buf.add_(1)
+    assert list(w.reports) == []
+
+
+def test_writes_through_data_are_silent_and_really_change_gradients():
+    def grads(modify: bool, strict: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+        reports = []
+        with versionwatch.watch(model, strict=strict, on_hazard=reports.append):
+            loss = model(torch.ones(2, 3)).sum()
+            if modify:
+                model[2].weight.data.mul_(3)  # bumps no version: PyTorch can't see it
+            loss.backward()
+        return model[0].weight.grad.clone(), reports
+
+    clean, none = grads(False, True)
+    dirty, reports = grads(True, True)
+    assert not torch.equal(clean, dirty), "the .data write must change the gradients"
+    assert none == []
+    at_write, before_backward = reports
+    for r in reports:
+        assert r.hazards[0].kind == "silent" and r.hazards[0].tensor == "model.2.weight"
+    assert at_write.hazards[0].detected == "at_write" and "without a version bump" in str(at_write)
+    h = before_backward.hazards[0]
+    assert (h.detected, h.node, h.slot) == ("predicted", "AddmmBackward0", "mat2")
+    assert h.modified_by[0].kind == "inplace_op" and "mul_()" in h.modified_by[0].description
+    _, default_mode = grads(True, False)
+    assert default_mode == []  # only strict mode sees .data writes
+
+
+def test_fused_adam_step_between_backwards_is_a_silent_hazard_in_default_mode():
+    def run(fused: bool):
+        torch.manual_seed(0)
+        G, D = nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))
+        opt_d = torch.optim.Adam(D.parameters(), lr=0.1, fused=fused)
+        reports = []
+        with versionwatch.watch({"G": G, "D": D}, opt_d, on_hazard=reports.append):
+            fake = G(torch.randn(4, 2))
+            d_loss = D(fake).mean()
+            d_loss.backward(retain_graph=True)
+            opt_d.step()
+            err = None
+            try:
+                d_loss.backward()  # reuses D's graph, saved before the step
+            except RuntimeError as e:
+                err = e
+        return G.weight.grad.clone(), reports, err
+
+    g_unfused, rep_unfused, err_unfused = run(False)
+    g_fused, rep_fused, err_fused = run(True)
+    assert err_unfused is not None and "modified by an inplace operation" in str(err_unfused)
+    assert rep_unfused[0].hazards[0].kind == "inplace"
+    assert err_fused is None, "fused Adam bumps no version, so PyTorch raises nothing"
+    kinds = {h.kind for h in rep_fused[0].hazards}
+    assert kinds == {"silent"}
+    assert {h.tensor for h in rep_fused[0].hazards} <= {"D.0.weight", "D.2.weight"}
+    assert "fused: no version bump" in str(rep_fused[0])
+    # The silent hazard is real: the second backward used the updated weights.
+    torch.manual_seed(0)
+    G, D = nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))
+    fake = G(torch.randn(4, 2))
+    (D(fake).mean() * 2).backward()  # both backwards on the pre-step weights
+    assert not torch.equal(g_fused, G.weight.grad)
+
+
+def test_strict_training_is_bitwise_identical():
+    def train(strict: bool | None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        ctx = versionwatch.watch(model, opt, strict=strict) if strict is not None else None
+        for _ in range(10):
+            opt.zero_grad()
+            loss = model(torch.randn(5, 4)).pow(2).mean()
+            loss.backward()
+            opt.step()
+        if ctx is not None:
+            ctx.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(train(None), train(True)):
+        assert torch.equal(a, b)
+
+
+def test_strict_patches_are_removed_on_exit_even_on_error():
+    add_, relu_, setitem = torch.Tensor.add_, torch.relu_, torch.Tensor.__setitem__
+    model = mlp(nn.Tanh())
+    with pytest.raises(ZeroDivisionError), versionwatch.watch(model, strict=True):
+        assert torch.Tensor.add_ is not add_
+        1 / 0
+    assert torch.Tensor.add_ is add_ and torch.relu_ is relu_
+    assert torch.Tensor.__setitem__ is setitem
+    assert "add_" not in vars(torch.Tensor)
+    x = torch.ones(2, requires_grad=True)
+    y = x.exp()
+    assert y.grad_fn._raw_saved_result.unpack_hook is None  # no saved-tensor hooks left
+
+
+def test_user_function_mode_inside_strict():
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    model = mlp(nn.Sigmoid())
+    with versionwatch.watch(model, strict=True), Count():
+        h = model(torch.ones(2, 3))
+        with pytest.raises(InplaceModificationError):
+            model[1](h).add_(1)
+    assert Count.calls > 0
