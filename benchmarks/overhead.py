@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, help="rounds of interleaved blocks")
     p.add_argument("--warmup", type=int, help="untimed steps per configuration before round 1")
     p.add_argument("--quick", action="store_true", help="smoke run: a few steps, numbers meaningless")
+    p.add_argument("--configs", help="comma-separated subset of the configurations "
+                   "(default: all; unwatched is always run, as the baseline)")
     p.add_argument("--strict", action="store_true",
                    help="also time watch(..., strict=True) (skipped if watch() lacks it)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
@@ -233,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     configs = configurations(args.strict)
+    if args.configs:
+        wanted = {c.strip() for c in args.configs.split(",")} | {"unwatched"}
+        unknown = wanted - {c[0] for c in configs}
+        if unknown:
+            p.error(f"unknown configuration(s) {sorted(unknown)}; "
+                    f"choose from {', '.join(c[0] for c in configs)}")
+        configs = [c for c in configs if c[0] in wanted]
 
     print(f"torch {torch.__version__}, versionwatch {versionwatch.__version__}, "
           f"Python {platform.python_version()}, {platform.machine()}, "

@@ -234,7 +234,10 @@ class _Checker:
             if raw is None:
                 continue
             if _hooked(raw):
-                self.unverifiable.append((fn.name(), f"{slot}[{k}]"))
+                if raw.unpack_hook is _strict_unpack:
+                    self._strict(i, fn, f"{slot}[{k}]", raw.data)
+                else:
+                    self.unverifiable.append((fn.name(), f"{slot}[{k}]"))
                 continue
             try:
                 raw.unpack()
@@ -251,6 +254,10 @@ class _Checker:
         if not raws:
             return
         if any(_hooked(r) for r in raws):
+            if all(getattr(r, "unpack_hook", None) is _strict_unpack for r in raws):
+                for k, r in enumerate(raws):
+                    self._strict(i, fn, f"saved_tensors[{k}]", r.data)
+                return
             name = fn.name()
             self.unverifiable += [(name, f"saved_tensors[{k}]") for k in range(len(raws))]
             return
