@@ -718,10 +718,6 @@ def _bump(t: torch.Tensor) -> None:
         t.add_(0.0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known limitation: the ledger tells forwards apart only by versions, so when two "
-    "forwards saved the same version the report names the later one; fixing it needs "
-    "the hazard node's sequence number from the predictor"))
 def test_saved_during_names_the_first_of_two_forwards():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -23,9 +23,12 @@ class Event:
     """One point of the training loop: ``forward #2``, ``SGD.step() #3``, ..."""
 
     index: int
-    kind: str  # forward, forward_end, backward, backward_end, step, zero_grad
+    kind: str  # forward, forward_end, backward, backward_end, step, zero_grad, between
     label: str
     site: Site | None = None
+    # For a forward: the autograd sequence number at its start. Nodes it creates
+    # get larger ones, so a hazard's node tells which forward saved its tensor.
+    seq: int | None = None
 
 
 class Transition(NamedTuple):
@@ -103,6 +106,7 @@ class Ledger:
         site: Site | None = None,
         cause: Modification | None = None,
         notes: dict[int, str] | None = None,
+        seq: int | None = None,
     ) -> Event:
         """Add an event; changes since the last one go to ``cause`` or to the interval."""
         self.count += 1
@@ -110,8 +114,16 @@ class Ledger:
             # "end of backward #2", placed at the line that started it
             start = next((e for e in reversed(self.events) if e.label == label), None)
             label, site = f"end of {label}", site or (start.site if start else None)
-        event = Event(self.count, kind, label, site)
+        event = Event(self.count, kind, label, site, seq)
         versions = self._scan(cause, label, site, notes)
+        if cause is None and self.versions:
+            prev = self.versions[-1]
+            if versions is not prev and versions != prev:
+                # The change happened before this event, not in it: give it its
+                # own row, so that e.g. a backward row never shows a bump.
+                self.events.append(Event(self.count, "between",
+                                         f"(between {self.events[-1].label} and {label})"))
+                self.versions.append(versions)
         self.events.append(event)
         self.versions.append(versions)
         return event
@@ -205,10 +217,19 @@ class Ledger:
                 continue
             if tn.note and tn.note not in h.notes:
                 h.notes.append(tn.note)
-        for ev in reversed(self.events):
-            if ev.kind == "forward" and ev.index >= began and (left is None or ev.index < left):
-                h.saved_during = ev.label + (f" at {ev.site}" if ev.site else "")
-                break
+        if h.saved_during:
+            return
+        forwards = [ev for ev in self.events if ev.kind == "forward"]
+        chosen = None
+        if h.seq is not None:
+            # The last forward that began before the saving node was created.
+            timed = [ev for ev in forwards if ev.seq is not None and ev.seq < h.seq]
+            chosen = timed[-1] if timed else None
+        if chosen is None:  # by versions: the last forward while the tensor was at `saved`
+            chosen = next((ev for ev in reversed(forwards) if ev.index >= began
+                           and (left is None or ev.index < left)), None)
+        if chosen is not None:
+            h.saved_during = chosen.label + (f" at {chosen.site}" if chosen.site else "")
 
     def table(self, keys: list[int]) -> list[tuple[Event, list[int | None]]]:
         return [

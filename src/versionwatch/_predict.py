@@ -498,6 +498,7 @@ def predict(
             parents = _parents(graph)
             for i, _, h, data in checker.hazards:
                 h.order = position[i]
+                h.seq = int(graph.nodes[i]._sequence_nr())
                 h.path = _path_to(graph, parents, i)
                 if isinstance(data, SavedRecord):
                     own, base = data.ids

@@ -78,6 +78,7 @@ class Hazard:
         fix: a concrete fix for this case.
         detected: ``"predicted"`` (before backward ran) or ``"after_error"``.
         key: ``id()`` of the named tensor (the base, for a view); internal.
+        seq: the saving node's autograd sequence number; internal.
     """
 
     kind: HazardKind
@@ -102,6 +103,7 @@ class Hazard:
     fix: str = ""
     detected: str = "predicted"
     key: int | None = field(default=None, repr=False, compare=False)
+    seq: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def where(self) -> str:
@@ -130,7 +132,7 @@ class Hazard:
         d["tensor"] = self.tensor or self.describe_tensor()
         d["shape"] = list(self.shape) if self.shape is not None else None
         d["saved_by"] = self.node
-        del d["node"], d["key"]
+        del d["node"], d["key"], d["seq"]
         d["modified_by"] = [
             {
                 "kind": m.kind,

@@ -355,7 +355,9 @@ class Watcher:
         if pre:
             self._forwards[root] += 1
             n = self._forwards[root]
-            event = self.ledger.record("forward", self._label(root, n), user_site(3))
+            # Only a forward under grad mode creates nodes to tell apart.
+            seq = _seq_clock() if torch.is_grad_enabled() else None
+            event = self.ledger.record("forward", self._label(root, n), user_site(3), seq=seq)
             if self.strict:
                 _strict.STATE.local.forward = (
                     f"{event.label} at {event.site}" if event.site else event.label)
