@@ -13,14 +13,21 @@ patched ``autograd.backward`` and ``Optimizer.zero_grad`` wrappers), garbage
 collection caused by our allocations, and cache effects on torch's own work.
 Those are the gap between the "self time" total here and overhead.py's ratio.
 
+With ``--ablate`` it instead runs overhead.py's interleaved step timing with
+one part stubbed out at a time (the saved-tensor checks, all of predict(), the
+ledger, the site capture, and all three), which counts what the timers miss.
+Stubbing changes behaviour: only for measuring.
+
 Usage:
   python benchmarks/cost_split.py                 # both models
   python benchmarks/cost_split.py --models a --steps 300
+  python benchmarks/cost_split.py --ablate --models a
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -31,9 +38,17 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import MODELS, Setup, step, versionwatch  # the models and the step
+from overhead import (  # the models and the step
+    MODELS,
+    Config,
+    Setup,
+    measure,
+    step,
+    table,
+    versionwatch,
+)
 
-from versionwatch import _graph, _ledger, _predict, _watch
+from versionwatch import _graph, _ledger, _predict, _report, _watch
 
 TOTALS: dict[str, float] = defaultdict(float)
 COUNTS: dict[str, int] = defaultdict(int)
@@ -151,17 +166,63 @@ def split(s: Setup, steps: int, warmup: int) -> None:
     print(f"| **self time total** | **{total:.1f}** | 100% | **{total / (base * 1e6):.2%}** |")
 
 
+@contextlib.contextmanager
+def _stubbed(s: Setup, checks: bool = False, predict: bool = False, ledger: bool = False,
+             site: bool = False) -> Any:
+    saved = [(_watch, "predict"), (_watch, "user_site"), (_ledger.Ledger, "record"),
+             (_ledger.Ledger, "sync"), (_predict._Checker, "run")]
+    originals = [(owner, attr, owner.__dict__[attr]) for owner, attr in saved]
+    if predict:
+        _watch.predict = lambda *a, **k: _report.Report()  # type: ignore[assignment]
+    if site:
+        _watch.user_site = lambda skip=2: None  # type: ignore[assignment]
+    if ledger:
+        _ledger.Ledger.record = lambda self, *a, **k: _ledger.Event(0, "x", "x")  # type: ignore[assignment]
+        _ledger.Ledger.sync = lambda self, *a, **k: None  # type: ignore[assignment]
+    if checks:
+        _predict._Checker.run = lambda self, *a, **k: None  # type: ignore[assignment]
+    try:
+        with versionwatch.watch(s.model, s.opt):
+            yield
+    finally:
+        for owner, attr, original in originals:
+            setattr(owner, attr, original)
+
+
+def ablate(s: Setup, steps: int, repeats: int) -> None:
+    null = contextlib.nullcontext
+    variants: list[tuple[str, dict[str, bool]]] = [
+        ("watch", {}),
+        ("watch without the saved-tensor checks", {"checks": True}),
+        ("watch without predict()", {"predict": True}),
+        ("watch without the ledger", {"ledger": True}),
+        ("watch without user_site", {"site": True}),
+        ("hooks only (all three stubbed)", {"predict": True, "ledger": True, "site": True}),
+    ]
+    configs: list[Config] = [("unwatched", lambda s: null(), null)]
+    for name, kw in variants:
+        configs.append((name, lambda s, kw=kw: _stubbed(s, **kw), null))
+    results = measure(s, configs, steps, repeats, warmup=30, block_warm=1)
+    print(f"\n### {s.label}: ablation, {repeats} rounds x {steps} steps\n")
+    print(table(results))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="a,b")
     p.add_argument("--steps", type=int, help="timed steps (default: 400 for a, 20 for b)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ablate", action="store_true", help="time steps with parts stubbed out")
+    p.add_argument("--repeats", type=int, default=60, help="rounds for --ablate")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}")
     for key in [k.strip() for k in args.models.split(",") if k.strip()]:
         s = MODELS[key]()
+        if args.ablate:
+            ablate(s, args.steps or (5 if key == "a" else 1), args.repeats)
+            continue
         steps = args.steps or (400 if key == "a" else 20)
         split(s, steps, warmup=30 if key == "a" else 3)
     return 0

@@ -87,6 +87,8 @@ def _write_outputs(args: argparse.Namespace, watcher: Any, status: int,
             "ok": not hazards,
             "hazards": hazards,
             "unverifiable": [u for r in reports for u in r.to_dict()["unverifiable"]],
+            "nodes": sum(r.nodes for r in reports),
+            "saved_checked": sum(r.saved_checked for r in reports),
             "timeline": timeline,
             "target": args.module or (args.target[0] if args.target else None),
             "exit_status": status,
@@ -162,11 +164,15 @@ def _run(args: argparse.Namespace) -> int:
 def _summary(watcher: Any, err: BaseException | None) -> None:
     from versionwatch._errors import FreedGraphError, InplaceModificationError
 
-    n = len(watcher.reports)
+    reports = list(watcher.reports)
+    n = sum(1 for r in reports if r.hazards and r.hazards[0].detected != "at_write")
+    writes = len(reports) - n
     if isinstance(err, (InplaceModificationError, FreedGraphError)):
-        print("versionwatch: the run stopped at the predicted failure above", file=sys.stderr)
-    elif n:
-        print(f"versionwatch: {n} backward(s) had hazards; the latest timeline:", file=sys.stderr)
+        print("versionwatch: the run stopped at the failure above", file=sys.stderr)
+    elif reports:
+        more = f" and {writes} write(s) to saved tensors (strict)" if writes else ""
+        print(f"versionwatch: {n} backward(s) had hazards{more}; the latest timeline:",
+              file=sys.stderr)
         print(watcher.timeline(), file=sys.stderr)
     else:
         print(f"versionwatch: {watcher._backwards} backward(s) watched, no hazard",

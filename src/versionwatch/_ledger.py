@@ -97,7 +97,16 @@ class Ledger:
 
     def sync(self, upcoming: str, site: Site | None = None) -> None:
         """Attribute changes since the last event to the interval before ``upcoming``."""
-        self._scan(None, upcoming, site)
+        self._between_row(self._scan(None, upcoming, site), upcoming)
+
+    def _between_row(self, versions: dict[int, int], upcoming: str) -> None:
+        """A timeline row for changes seen before ``upcoming`` but not made by it."""
+        if self.versions and self.events:
+            prev = self.versions[-1]
+            if versions is not prev and versions != prev:
+                self.events.append(Event(self.count, "between",
+                                         f"(between {self.events[-1].label} and {upcoming})"))
+                self.versions.append(versions)
 
     def record(
         self,
@@ -116,14 +125,10 @@ class Ledger:
             label, site = f"end of {label}", site or (start.site if start else None)
         event = Event(self.count, kind, label, site, seq)
         versions = self._scan(cause, label, site, notes)
-        if cause is None and self.versions:
-            prev = self.versions[-1]
-            if versions is not prev and versions != prev:
-                # The change happened before this event, not in it: give it its
-                # own row, so that e.g. a backward row never shows a bump.
-                self.events.append(Event(self.count, "between",
-                                         f"(between {self.events[-1].label} and {label})"))
-                self.versions.append(versions)
+        if cause is None:
+            # A change made before this event, not by it, gets its own row, so
+            # that e.g. a backward row never shows a bump.
+            self._between_row(versions, label)
         self.events.append(event)
         self.versions.append(versions)
         return event

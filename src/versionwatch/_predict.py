@@ -31,6 +31,7 @@ TensorOrTensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 Api = Literal["backward", "grad"]
 
 _VERSION_RE = re.compile(r"is at version (\d+); expected version (\d+) instead")
+_BACKWARD = re.compile(r"Backward\d*$")
 _PRODUCER_RE = re.compile(r"which is output \d+ of ([\w:]+)")
 _FREED = "backward through the graph a second time"
 _RAW_PREFIX = "_raw_saved_"
@@ -212,6 +213,7 @@ class _Checker:
                    current_version=t._version, shape=tuple(t.shape), dtype=_dtype(t),
                    device=str(t.device), requires_grad=rec.requires_grad,
                    saved_output=slot.startswith("result"), module=rec.module,
+                   producer=_BACKWARD.sub("", fn.name()) if slot.startswith("result") else None,
                    saved_during=rec.forward, modified_by=list(rec.writes))
         self.hazards.append((i, len(self.hazards), h, rec))
 

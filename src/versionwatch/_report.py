@@ -31,8 +31,9 @@ class Site:
 class Modification:
     """One event that moved a tensor's version between its save and the backward.
 
-    ``kind`` is ``"optimizer.step"``, ``"inplace_op"``, ``"between_events"`` or
-    ``"module_forward"``.
+    ``kind`` is ``"optimizer.step"``, ``"inplace_op"`` (strict mode: the exact
+    write), ``"between_events"``, ``"module_forward"`` or ``"backward"`` (a hook
+    or custom Function that wrote during a backward).
     """
 
     kind: str

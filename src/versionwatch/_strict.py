@@ -69,7 +69,10 @@ class SavedRecord:
                  "version", "writes")
 
     def __init__(self, t: torch.Tensor, module: str | None, forward: str | None) -> None:
-        self.tensor = t.detach()  # no grad_fn: a saved output would form a cycle
+        # A leaf is kept as is, so that `p.data = t` reaches backward as it does
+        # unwatched; anything else as a detached alias (same storage and version
+        # counter): a saved output kept with its grad_fn would form a cycle.
+        self.tensor = t if t.is_leaf else t.detach()
         self.version = t._version
         base = t._base
         # A parameter, or a view of one (``weight.t()``); never read grad_fn here:
@@ -172,8 +175,10 @@ def _targets(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterat
 
 
 def _is_silent(name: str, t: torch.Tensor) -> bool:
-    if name.startswith("_fused_"):
-        return True  # fused optimizer kernels update in place without a version bump
+    if name.startswith("_fused_") or name == "data":
+        # Fused optimizer kernels update in place without a version bump, and
+        # `p.data = t` swaps the storage without one.
+        return True
     aliases = STATE.data_aliases
     for x in (t, t._base):
         if x is not None:
@@ -185,6 +190,7 @@ def _is_silent(name: str, t: torch.Tensor) -> bool:
 
 def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Called before an in-place op; raises under the ``raise`` policy."""
+    __tracebackhide__ = True
     if not STATE.registry or getattr(STATE.local, "busy", False):
         return
     hits: list[tuple[torch.Tensor, SavedRecord]] = []
@@ -202,11 +208,14 @@ def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
 
 def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]]) -> None:
+    __tracebackhide__ = True
     site = user_site(3)
     label = _LABELS.get(name, f"{name}()" if not name.endswith(")") else name)
     context = getattr(STATE.local, "step", None)
     if context:
-        label = f"{context} ({label})"
+        if name != "step" and getattr(STATE.local, "step_checked", False):
+            return  # the step's writes were checked, and recorded, as a whole
+        label = context if name == "step" else f"{context} ({label})"
     hazards = []
     for t, rec in hits:
         silent = _is_silent(name, t)
@@ -218,7 +227,7 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]]) -> No
             node="",
             slot="",
             saved_version=rec.version,
-            current_version=t._version,
+            current_version=rec.tensor._version,
             shape=tuple(rec.tensor.shape),
             dtype=str(rec.tensor.dtype).replace("torch.", ""),
             device=str(rec.tensor.device),
@@ -237,6 +246,7 @@ def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
         if STATE.registry:
             on_write(name, args, kwargs)
         return fn(*args, **kwargs)
@@ -369,6 +379,7 @@ def attach(owner: Any) -> Any:
 def detach(owner: Any, hooks: Any) -> None:
     hooks.__exit__(None, None, None)
     STATE.local.step = STATE.local.forward = None
+    STATE.local.step_checked = False
     if owner in STATE.owners:
         STATE.owners.remove(owner)
     if not STATE.owners:

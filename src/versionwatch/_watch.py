@@ -423,6 +423,12 @@ class Watcher:
         state.pending = (label, site, touched, notes)
         if self.strict:
             _strict.STATE.local.step = label
+            # Check the whole step before it writes anything: raising halfway
+            # would leave some parameters updated.
+            with_grad = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            if with_grad:
+                _strict.on_write("step", (with_grad,), {})
+                _strict.STATE.local.step_checked = True
 
     def _on_step_post(self, opt: Optimizer) -> None:
         state = self._optimizer(opt)
@@ -431,6 +437,7 @@ class Watcher:
         label, site, touched, notes = state.pending
         state.pending = None
         if self.strict:
+            _strict.STATE.local.step_checked = False
             _strict.STATE.local.step = None
         self.ledger.record("step", label, site, cause=Modification("optimizer.step", label, site),
                            notes=notes)
@@ -504,9 +511,11 @@ class Watcher:
             return next((w for w in scope if key is not None and key in w.ledger.tracked), self)
 
         for h in report.hazards:
-            # Strict mode's records already name the exact writes.
-            if h.key is not None and not h.modified_by:
+            if h.key is not None:
+                exact = list(h.modified_by)  # strict mode's records name the writes
                 tracker(h.key).ledger.blame(h, h.key)
+                if exact:
+                    h.modified_by = exact
             h.fix = fix_for(h)
         owner = tracker(report.hazards[0].key if report.hazards else None)
         report.timeline = owner.timeline(report=report)
@@ -604,12 +613,14 @@ class Watcher:
             name = names.get(own) or (names.get(base) if base is not None else None)
             if name is not None:
                 h.tensor, h.key, h.requires_grad = name, own if own in names else base, True
+                h.view = own not in names
             h.fix = fix_for(h)
             if self.policy == "raise":
                 h.notes.append("stopped before the write: nothing was modified")
         if self.policy == "raise":
             # The raise unwinds the step: its post-hook will not run.
             _strict.STATE.local.step = None
+            _strict.STATE.local.step_checked = False
             for state in self._optimizers.values():
                 state.pending = None
         report = Report(hazards=hazards)
@@ -651,7 +662,7 @@ def watch(
             that takes the :class:`Report`. ``$VERSIONWATCH_ON_HAZARD`` overrides it.
         strict: also catch each write to a saved tensor at the line that makes it,
             including writes that bump no version (``.data``, fused optimizers);
-            see :mod:`versionwatch._strict`. Costs more: opt-in.
+            see the "Strict mode" page of the docs. Costs more: opt-in.
 
     Returns:
         A :class:`Watcher`, active until closed; use it as a context manager.
