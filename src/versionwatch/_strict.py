@@ -86,6 +86,16 @@ class SavedRecord:
         self.silent = False
 
 
+class _Local(threading.local):
+    """Per-thread strict state; class attributes are the defaults."""
+
+    busy = False  # inside our own reporting: our writes are not the user's
+    step: str | None = None  # label of the optimizer step running, if any
+    step_checked = False  # that step's writes were checked as a whole, up front
+    forward: str | None = None  # label of the root forward running, if any
+    modules: list[str] | None = None
+
+
 class _State:
     """Process-wide strict state, shared by every open strict watcher."""
 
@@ -97,7 +107,7 @@ class _State:
         # would compare tensors with ==).
         self.data_aliases: dict[int, weakref.ref[torch.Tensor]] = {}
         self.handles: list[Any] = []
-        self.local = threading.local()
+        self.local = _Local()
         self.purge_at = 1024
 
 
@@ -120,7 +130,7 @@ def _module_stack() -> list[str]:
 
 def pack(t: torch.Tensor) -> SavedRecord:
     stack = _module_stack()
-    rec = SavedRecord(t, stack[-1] if stack else None, getattr(STATE.local, "forward", None))
+    rec = SavedRecord(t, stack[-1] if stack else None, STATE.local.forward)
     key = _storage_key(t)
     if key:
         refs = STATE.registry.get(key)
@@ -191,7 +201,7 @@ def _is_silent(name: str, t: torch.Tensor) -> bool:
 def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Called before an in-place op; raises under the ``raise`` policy."""
     __tracebackhide__ = True
-    if not STATE.registry or getattr(STATE.local, "busy", False):
+    if not STATE.registry or STATE.local.busy:
         return
     hits: list[tuple[torch.Tensor, SavedRecord]] = []
     for t in _targets(name, args, kwargs):
@@ -211,9 +221,9 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]]) -> No
     __tracebackhide__ = True
     site = user_site(3)
     label = _LABELS.get(name, f"{name}()" if not name.endswith(")") else name)
-    context = getattr(STATE.local, "step", None)
+    context = STATE.local.step
     if context:
-        if name != "step" and getattr(STATE.local, "step_checked", False):
+        if name != "step" and STATE.local.step_checked:
             return  # the step's writes were checked, and recorded, as a whole
         label = context if name == "step" else f"{context} ({label})"
     hazards = []
@@ -243,11 +253,12 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]]) -> No
 
 def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     name = attr
+    registry, local = STATE.registry, STATE.local
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
-        if STATE.registry:
+        if registry and not local.step_checked:
             on_write(name, args, kwargs)
         return fn(*args, **kwargs)
 
