@@ -227,3 +227,26 @@ def test_demo_runs_in_four_steps(tmp_path: Path):
 def test_help(argv, tmp_path: Path):
     r = vw(*argv, cwd=tmp_path)
     assert r.returncode == 0 and "versionwatch" in r.stdout
+
+
+def test_torch_multiprocessing_spawn_and_systemexit_json(tmp_path: Path):
+    (tmp_path / "mp.py").write_text(textwrap.dedent("""\
+        import sys
+        import torch
+        import torch.multiprocessing as mp
+
+        def work(rank, q):
+            q.put(float(torch.ones(2).sum()) + rank)
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            q = ctx.SimpleQueue()
+            mp.spawn(work, args=(q,), nprocs=1, join=True)
+            print("got", q.get())
+            sys.exit(4)
+    """))
+    r = vw("run", "--json", "o.json", "mp.py", cwd=tmp_path)
+    assert r.returncode == 4, r.stderr
+    assert "got 2.0" in r.stdout
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert doc["exit_status"] == 4 and doc["exception"] is None and doc["ok"] is True

@@ -62,3 +62,18 @@ def test_report_holds_no_tensor():
     report = versionwatch.check(loss, names=m)
     for h in report.hazards:
         assert not any(isinstance(v, torch.Tensor) for v in vars(h).values())
+
+
+def test_html_reprs_for_notebooks():
+    import versionwatch as vw
+
+    m, loss = _seed_like()
+    report = vw.check(loss, names=m)
+    html = report._repr_html_()
+    assert html.startswith("<pre>") and "w3 saved by MulBackward0" in html
+    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1))
+    with vw.watch(model) as w:
+        model(torch.ones(1, 2)).sum().backward()
+    table = w.timeline()._repr_html_()
+    assert table.startswith("<table>") and "<th>model.0.weight</th>" in table
+    assert "<td>forward #1</td>" in table and "<td>backward #1</td>" in table
