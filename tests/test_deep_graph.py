@@ -145,6 +145,37 @@ def test_keep_loss_then_drop_it_inside_a_function() -> None:
     assert "freed" in p.stdout, explain(p)
 
 
+def test_drop_the_loss_before_the_model_output() -> None:
+    # The usual order in a training loop: the loss dies first, the output (and
+    # an intermediate someone kept, e.g. for logging) later, each still deep.
+    p = run_script(
+        f"""
+        y = chain({DEEP})
+        loss = y.sum()
+        say("checked", versionwatch.check(loss).ok)
+        del loss
+        say("loss freed")
+        del y
+        say("output freed")
+        x = torch.ones(1, requires_grad=True)
+        y = x
+        for k in range({DEEP}):
+            y = y * 1.0001
+            if k == {DEEP // 2}:
+                mid = y
+        versionwatch.check(y.sum())
+        del y
+        say("top freed, middle kept")
+        del mid
+        gc.collect()
+        say("freed")
+        """
+    )
+    assert p.returncode == 0, explain(p)
+    assert p.stdout.split() == ["checked", "True", "loss", "freed", "output", "freed", "top",
+                                "freed,", "middle", "kept", "freed"], explain(p)
+
+
 def test_check_scales_linearly() -> None:
     p = run_script(
         f"""

@@ -6,17 +6,17 @@ deallocation, which bypasses PyTorch's iterative node deleter. Freeing a chain
 of ~50,000 touched nodes then recurses once per node and overflows the C stack
 (a segfault, with no version error involved; see ``docs/deep-graphs.md``).
 
-So every walk hands the node wrappers it created to a :class:`_Lease`, which
-keeps them until all the walked roots have been freed and then drops them
-root-first, in topological order. Each node is then freed while its children
-are still held, so no free ever cascades. The lease never extends a node's
-life: every node it holds is reachable from a root that is still alive.
+So a deep walk hands the node wrappers it created to a :class:`_Lease`, which
+holds each node until every parent it was reached from has died: each node is
+then freed while its children are still held, so no free ever cascades, in
+whatever order the user drops the roots and intermediate tensors. The lease
+never extends a node's life: a node is held only while a walked parent, which
+holds it anyway, is alive. A shallow walk needs no lease (see :data:`SHALLOW`).
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import cast
@@ -125,80 +125,102 @@ class Graph:
         return order
 
 
+# A cascade through touched nodes is at most as deep as the graph that was
+# walked; below this many nodes it stays far from the C stack's limit (a crash
+# needs ~50,000 on an 8 MiB stack), so such a walk needs no lease at all.
+SHALLOW = 10_000
+_KEY = "versionwatch.lease"
+
+
 class _Lease:
-    """The walked wrappers, held until every root node has been freed."""
+    """Wrappers of a deep walked graph, each held until all its parents have died.
 
-    __slots__ = ("nodes", "pending")
-    _lock = threading.Lock()  # a class attribute: still there during shutdown
+    ``pending[i]`` counts node ``i``'s walked parent edges still alive. A
+    :class:`_Sentinel` in each node's ``metadata`` reports the node's death;
+    then each child whose count drops to zero is let go, and dies alone (its
+    own children are still held here) unless something else holds it.
+    """
 
-    def __init__(self, nodes: list[Node | None], pending: int) -> None:
-        self.nodes = nodes
+    __slots__ = ("__weakref__", "children", "held", "pending")
+
+    def __init__(self, held: list[Node | None], children: list[list[int]]) -> None:
+        self.held = held
+        self.children = children
+        pending = [0] * len(held)
+        for kids in children:
+            for c in kids:
+                pending[c] += 1
         self.pending = pending
 
-    def release_one(self) -> None:
-        with self._lock:
-            self.pending -= 1
-            if self.pending > 0:
-                return
-            nodes, self.nodes = self.nodes, []
-        # Root-first: each node dies while its children are still held here.
-        while nodes:
-            nodes.pop()
+    def dead(self, i: int) -> None:
+        held, pending = self.held, self.pending
+        for c in self.children[i]:
+            pending[c] -= 1
+            if pending[c] == 0:
+                held[c] = None  # may free c now; its sentinel queues the next step
+
+
+class _Trampoline(threading.local):
+    """Deaths to process, per thread: drained in a loop, never by recursion."""
+
+    queue: list[tuple[_Lease, int]] | None = None
+    draining = False
+
+
+_TRAMPOLINE = _Trampoline()
 
 
 class _Sentinel:
-    """Kept in a root node's ``metadata`` dict, so it is freed with the node.
+    """Lives in one node's ``metadata`` dict, so it dies with the node."""
 
-    PyTorch frees a node's edges before its metadata, so by the time this dies
-    the root has let go of its children, which the lease still holds: releasing
-    them now frees each one alone. (A ``weakref.finalize`` on the output tensor
-    fires too early: before the dying tensor lets go of its ``grad_fn``, so the
-    root would then free the whole chain at once.)
-    """
+    __slots__ = ("i", "lease")
 
-    __slots__ = ("lease",)
-
-    def __init__(self, lease: _Lease) -> None:
+    def __init__(self, lease: _Lease, i: int) -> None:
         self.lease = lease
+        self.i = i
 
     def __del__(self) -> None:
-        self.lease.release_one()
+        t = _TRAMPOLINE
+        queue = t.queue
+        if queue is None:
+            queue = t.queue = []
+        queue.append((self.lease, self.i))
+        if t.draining:
+            return  # an outer __del__ on this thread is draining the queue
+        t.draining = True
+        try:
+            while queue:
+                lease, i = queue.pop()
+                lease.dead(i)
+        finally:
+            t.draining = False
 
 
-_METADATA_KEY = "versionwatch.leases"
+def lease(graph: Graph, outputs: Sequence[torch.Tensor] = ()) -> None:
+    """Make freeing ``graph``'s touched nodes safe, then drop the walk's references.
 
-
-def lease(graph: Graph, outputs: Sequence[torch.Tensor], extra: Sequence[Node] = ()) -> None:
-    """Keep ``graph``'s wrappers (and ``extra`` ones) until its root nodes are freed.
-
-    The roots themselves are not held (that would keep them alive forever):
-    their owners (``outputs``, other graphs) free them, and a :class:`_Sentinel`
-    in each root's ``metadata`` then releases the rest, root-first.
+    A graph under :data:`SHALLOW` nodes needs nothing. A deep one gets a
+    :class:`_Lease`: every node but the roots is held until all the parents it
+    was walked from have died, so each dies alone, and a node kept alive by
+    the user (an intermediate tensor's ``grad_fn``) is covered as well as the
+    roots. Nothing outlives the graph: the roots are not held, and each node
+    is let go once no walked parent can still reach it.
     """
     nodes = graph.nodes
-    k = len(set(graph.roots))  # the distinct roots: indices 0 .. k-1
-    # Stored leaves-first so that popping, and also CPython's list dealloc
-    # (which runs from the end), releases roots first.
-    held: list[Node | None] = list(extra)
-    if graph.ordered:  # BFS order is topological: no sort needed
-        held.extend(nodes[:k - 1:-1] if k else reversed(nodes))
-    else:
-        held.extend(nodes[i] for i in reversed(graph.topological_order()) if i >= k)
-    roots = nodes[:k]
+    n = len(nodes)
+    if n >= SHALLOW:
+        index, nexts = graph.index, graph.nexts
+        children = [[index[fn] for fn, _ in nf if fn is not None] for nf in nexts]
+        children += [[] for _ in range(n - len(children))]  # a walk cut short
+        roots = set(graph.roots)
+        keeper = _Lease([None if i in roots else node for i, node in enumerate(nodes)], children)
+        for i, node in enumerate(nodes):
+            try:
+                box = cast("dict[str, list[_Sentinel]]", node.metadata)
+            except Exception:  # no metadata: never let go, rather than crash
+                continue
+            box.setdefault(_KEY, []).append(_Sentinel(keeper, i))
     graph.nodes = []
     graph.nexts = []
     graph.index = {}
     graph._children = None
-    keeper = _Lease(held, len(roots))
-    try:
-        # Node.metadata is a property; torch's stubs declare a method.
-        boxes = [cast("dict[str, list[_Sentinel]]", r.metadata) for r in roots]
-    except Exception:  # a node without metadata: fall back to the outputs' lives
-        keeper.nodes.extend(reversed(roots))
-        alive = {id(t): t for t in outputs}
-        keeper.pending = len(alive)
-        for t in alive.values():
-            weakref.finalize(t, keeper.release_one).atexit = False
-        return
-    for box in boxes:
-        box.setdefault(_METADATA_KEY, []).append(_Sentinel(keeper))
