@@ -22,7 +22,7 @@ import torch
 from oracle import Oracle, Outcome
 from programs import FORWARD_ERRORS, generate, mutation_lines, run_program
 
-N_PROGRAMS = max(600, int(os.environ.get("VERSIONWATCH_PROGRAMS", "0")))
+N_PROGRAMS = max(2000, int(os.environ.get("VERSIONWATCH_PROGRAMS", "0")))
 
 
 @dataclass

@@ -173,11 +173,12 @@ _TRAMPOLINE = _Trampoline()
 class _Sentinel:
     """Lives in one node's ``metadata`` dict, so it dies with the node."""
 
-    __slots__ = ("i", "lease")
+    __slots__ = ("i", "lease", "prev")
 
-    def __init__(self, lease: _Lease, i: int) -> None:
+    def __init__(self, lease: _Lease, i: int, prev: _Sentinel | None) -> None:
         self.lease = lease
         self.i = i
+        self.prev = prev  # an earlier lease's sentinel on the same node
 
     def __del__(self) -> None:
         t = _TRAMPOLINE
@@ -216,10 +217,10 @@ def lease(graph: Graph, outputs: Sequence[torch.Tensor] = ()) -> None:
         keeper = _Lease([None if i in roots else node for i, node in enumerate(nodes)], children)
         for i, node in enumerate(nodes):
             try:
-                box = cast("dict[str, list[_Sentinel]]", node.metadata)
+                box = cast("dict[str, _Sentinel]", node.metadata)
             except Exception:  # no metadata: never let go, rather than crash
                 continue
-            box.setdefault(_KEY, []).append(_Sentinel(keeper, i))
+            box[_KEY] = _Sentinel(keeper, i, box.get(_KEY))
     graph.nodes = []
     graph.nexts = []
     graph.index = {}
