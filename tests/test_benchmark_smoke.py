@@ -50,3 +50,16 @@ def test_unknown_model_is_an_error() -> None:
     p = run("--quick", "--models", "z")
     assert p.returncode != 0
     assert "unknown model" in p.stderr
+
+
+def test_predict_cost_quick_prints_both_models() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "predict_cost.py"
+    r = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "| chain of 2,000 sin nodes | 2,002 | 2,000 |" in r.stdout
+    assert "6-layer TransformerEncoder" in r.stdout and "us per saved tensor" in r.stdout

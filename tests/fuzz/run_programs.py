@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oracle import Oracle  # noqa: E402
-from programs import FORWARD_ERRORS, generate, run_program  # noqa: E402
+from oracle import Oracle
+from programs import FORWARD_ERRORS, generate, run_program
 
 
 def main() -> int:
