@@ -455,3 +455,28 @@ def test_assert_backward_safe_raises_runtime_error_subclasses():
     with pytest.raises(versionwatch.FreedGraphError, match="backward through the graph a second"):
         versionwatch.assert_backward_safe(z)
     versionwatch.assert_backward_safe((x * x).sum())
+
+
+class DoubleInPlace(torch.autograd.Function):
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.mul_(2)
+
+    @staticmethod
+    def backward(ctx, g):
+        DoubleInPlace.calls += 1
+        return g * 2
+
+
+def test_check_never_runs_a_custom_backward_inside_copyslices(oracle):
+    x = leaf(3)
+    h = x.clone()
+    DoubleInPlace.apply(h[:2])  # a custom in-place op on a view: CopySlices wraps it
+    r = versionwatch.check(h.sum())
+    assert DoubleInPlace.calls == 0, "check() ran user code"
+    assert r.ok and r.unverifiable == [("torch::autograd::CopySlices", "fn")]
+    oracle.backward(h.sum())
+    assert DoubleInPlace.calls == 1

@@ -731,3 +731,10 @@ def test_saved_during_names_the_first_of_two_forwards():
     saved_during = info.value.report.hazards[0].saved_during
     assert saved_during is not None and saved_during.startswith("forward #1 at ")
     assert saved_during.endswith(f":{line_of('first-of-two')}")
+
+
+def test_the_same_module_twice_in_one_dict_is_refused():
+    m = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="the same module is given twice, as 'a' and 'b'"):
+        versionwatch.watch({"a": m, "b": m})
+    assert not m._forward_pre_hooks and not m._forward_hooks

@@ -10,10 +10,12 @@ pops the highest sequence number first.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import heapq
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal, Union
 
 import torch
@@ -100,6 +102,49 @@ def _hooked(raw: Any) -> bool:
     return getattr(raw, "unpack_hook", None) is not None
 
 
+class _UserCode(Exception):
+    """Raised instead of running a custom Function's backward inside a check."""
+
+
+class _Guard(threading.local):
+    depth = 0
+
+
+_GUARD = _Guard()
+_GUARD_LOCK = threading.Lock()
+_GUARD_USERS = 0
+_ORIGINAL_USER_FN: Any = BackwardCFunction._get_user_fn
+
+
+def _guarded_user_fn(self: Any) -> Any:
+    if _GUARD.depth:
+        raise _UserCode
+    return _ORIGINAL_USER_FN(self)
+
+
+@contextlib.contextmanager
+def _no_user_backward() -> Iterator[None]:
+    """While active on this thread, a custom Function's backward refuses to run.
+
+    Other threads keep running theirs: the class attribute is swapped only for
+    the duration, and the wrapper checks a thread-local flag.
+    """
+    global _GUARD_USERS
+    with _GUARD_LOCK:
+        if _GUARD_USERS == 0:
+            BackwardCFunction._get_user_fn = _guarded_user_fn  # type: ignore[method-assign]
+        _GUARD_USERS += 1
+    _GUARD.depth += 1
+    try:
+        yield
+    finally:
+        _GUARD.depth -= 1
+        with _GUARD_LOCK:
+            _GUARD_USERS -= 1
+            if _GUARD_USERS == 0:
+                BackwardCFunction._get_user_fn = _ORIGINAL_USER_FN  # type: ignore[method-assign]
+
+
 class _Checker:
     """Unpacks every saved tensor of the executed nodes and collects hazards."""
 
@@ -168,13 +213,15 @@ class _Checker:
         CopySlices that an earlier backward released raises "backward through
         the graph a second time" even when nothing was saved. Calling a node
         returns gradients and changes nothing: no tensor, no ``.grad``, no hook.
+        If the wrapped op is a custom ``autograd.Function``, its backward (user
+        code) is refused before it starts, and the node counts as not verifiable.
         """
         try:
             grads = [
                 torch.zeros(m.shape, dtype=m.dtype, device=m.device)
                 for m in fn._input_metadata
             ]
-            with torch.no_grad():
+            with torch.no_grad(), _no_user_backward():
                 fn(*grads)  # type: ignore[operator]
             self.checked += 1
         except RuntimeError as e:

@@ -239,7 +239,14 @@ class Watcher:
         self._thread_stack = _stack()
         self._prefix = prefix
         with _LOCK:
+            seen: dict[int, str] = {}
             for name, module in modules.items():
+                if id(module) in seen:
+                    raise ValueError(
+                        f"the same module is given twice, as {seen[id(module)]!r} and {name!r}; "
+                        "give each module once"
+                    )
+                seen[id(module)] = name
                 for other in _ACTIVE:
                     if any(r() is module for r in other._roots.values()):
                         raise ValueError(
