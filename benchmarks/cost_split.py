@@ -98,7 +98,7 @@ TOP = [
     (_watch.Watcher, "_on_zero_grad", "zero_grad event"),
     (_watch.Watcher, "_on_step_pre", "step pre-hook (sync)"),
     (_watch.Watcher, "_on_step_post", "step post-hook (event)"),
-    (_graph._Lease, "release_one", "lease release (when the loss dies)"),
+    (_graph._Lease, "dead", "lease release (deep graphs only)"),
 ]
 INNER = [
     (_watch, "predict", "  predict() total"),

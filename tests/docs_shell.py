@@ -5,10 +5,12 @@ its own forked process, and each page's commands in order, each in a forked chil
 that process. A child runs its command as a fresh process would (``python SCRIPT``,
 ``python -m MODULE``, ``python -c CODE``; ``versionwatch`` as its console script does;
 ``pytest`` as ``python -m pytest -p no:cacheprovider``), with its own working directory,
-environment, ``sys.argv``, ``sys.path[0]`` and ``__main__``, its stdout and stderr both
-to ``OUT/<i>.out``; its exit status goes to ``OUT/<i>.rc`` (a negative one for a
-signal). What it saves: this process imports torch, pytest and versionwatch once, and
-every child inherits them, instead of paying seconds for torch's import per command.
+environment, ``sys.argv``, ``sys.path[0]`` and ``__main__`` namespace, its stdout and
+stderr both to ``OUT/<i>.out``; its exit status goes to ``OUT/<i>.rc`` (a negative one
+for a signal). What it saves: this process imports torch (and what an optimizer's
+first step imports) and pytest once, and every child inherits them, instead of paying
+seconds for torch's import per command. (Not versionwatch: pytest warns when a
+plugin's package was imported before it could rewrite its asserts.)
 
 The shell syntax the docs use, and only that, is understood: ``VAR=value`` before a
 command, ``# comments``, a trailing ``|| true``, and ``echo $?`` (the status of the
@@ -29,11 +31,6 @@ import sys
 import traceback
 from typing import Any, NoReturn
 
-import pytest  # noqa: F401  (imported once here, for every command)
-import torch  # noqa: F401
-
-import versionwatch._cli
-
 HERE = os.path.abspath(__file__)
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _OPERATORS = {"|", "||", "&", "&&", ";", "<", ">", ">>", "(", ")"}
@@ -43,8 +40,11 @@ def _run(argv: list[str]) -> None:
     """Run a command in this (child) process as its own process would run it."""
     prog, args = argv[0], argv[1:]
     if prog == "versionwatch":  # the console script: versionwatch._cli:main
+        from versionwatch._cli import main as console_script
+
         sys.argv = ["versionwatch", *args]
-        sys.exit(versionwatch._cli.main())
+        sys.path[0] = os.path.dirname(sys.executable)  # the script's folder
+        sys.exit(console_script())
     if prog == "pytest":
         prog, args = "python", ["-m", "pytest", "-p", "no:cacheprovider", *args]
     if prog != "python" or not args:
@@ -135,6 +135,11 @@ def run_page(page: dict[str, Any], env: dict[str, str]) -> None:
 
 
 def main() -> None:
+    # Imported once here, for every command (not at import: pytest's --doctest-modules
+    # imports this file too).
+    import pytest  # noqa: F401
+    import torch._dynamo  # noqa: F401  (what an optimizer's first step() imports: a second)
+
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     pids = []

@@ -27,10 +27,10 @@ results. A command must exit 0 unless ``STATUS`` says otherwise. ``EXEMPT`` list
 commands that are not run and why, ``MAPPED`` the ones run in another form (the
 benchmarks in their quick form), ``ELSEWHERE`` the ones a dedicated test runs.
 
-```py blocks without a title: cli.md's runs in the page's shell, in page order with
-its commands (``SHELL_PY``); the fragments of lightning.md and deep-graphs.md run with
-the surrounding code that ``FRAGMENT_CODE`` gives them, and the callback signature of
-lightning.md is compared with the real one (``FRAGMENTS`` names each one's test).
+```py blocks without a title: cli.md's runs as ``python BLOCK``, in page order with
+its commands (``SHELL_PY``); the fragments of lightning.md run with the surrounding
+code that ``FRAGMENT_CODE`` gives them, and its callback signature is compared with the
+real one (``FRAGMENTS`` names each one's test).
 
 ```bash blocks: README.md's fresh-machine set-ups, which CI runs itself (``EXEMPT_BLOCKS``).
 
@@ -50,6 +50,7 @@ import logging
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
@@ -278,7 +279,7 @@ EXEMPT = [
      "creates the fresh environment that CI creates itself (.ci/run)"),
 ]
 
-# Console commands run by a dedicated test instead of their page's shell.
+# Console commands run by a dedicated test instead of with their page's commands.
 ELSEWHERE = [
     # cli.md's synopsis has placeholders (SCRIPT, [OPTIONS]): its options are checked
     # against `versionwatch run --help`.
@@ -288,8 +289,8 @@ ELSEWHERE = [
 ]
 
 # Console commands run in another form: (page, pattern, replacement, why).
-_QUICK = ("smoke-size run of the same code and options: the full run takes minutes, and "
-          "tests/test_benchmark_smoke.py runs --quick on both models")
+_QUICK = ("a smoke-size run of the same script and options: a full run takes minutes "
+          "(tests/test_benchmark_smoke.py smoke-tests the benchmarks too)")
 MAPPED = [
     ("index.md", r"^\.venv/bin/", "",
      "the tests' environment stands in for the fresh .venv the page creates"),
@@ -297,6 +298,8 @@ MAPPED = [
      r"\g<0> --quick --models a --steps 1 --repeats 1 --warmup 0", _QUICK),
     ("performance.md", r"^python benchmarks/cost_split\.py\b.*",
      r"\g<0> --models a --steps 1 --repeats 1", _QUICK),
+    ("performance.md", r"^python benchmarks/predict_cost\.py\b.*",
+     r"\g<0> --quick --repeats 1", _QUICK),
 ]
 
 # The exit status of each command that does not exit 0, and text its output must hold
@@ -307,8 +310,9 @@ STATUS: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {
     ("cli.md", "versionwatch run --json report.json train.py"): (1, ()),
     ("cli.md", "versionwatch run --quiet --dot hazard.dot --svg hazard.svg train.py"): (1, ()),
     ("cli.md", "versionwatch run --strict train_two_losses.py"): (1, ()),
-    # pytest.md's tests: tests/test_train.py fails by design; under strict mode the
-    # fused step's write is a report of its own, so test_fused.py's `(report,) =` fails too
+    # pytest.md's tests: tests/test_train.py fails by design. Under strict mode the
+    # fused step's write is caught at the step, as an in-place hazard, so that
+    # test_fused.py's `report.first.kind == "silent"` fails too.
     ("pytest.md", "pytest --versionwatch"): (1, ("1 failed, 5 passed",)),
     ("pytest.md", "pytest --versionwatch --versionwatch-on-hazard=warn"): (
         1, ("test_two_losses_one_step - RuntimeError", "1 failed, 5 passed, 1 warning")),
@@ -322,13 +326,16 @@ STATUS: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {
 }
 
 # Pages whose commands run in the repository: the benchmarks are its own scripts, and
-# write nothing.
+# write nothing. Each of their commands must be MAPPED (to a quick form).
 IN_REPO = {"performance.md"}
 
-# Pages whose ```py blocks without a title run in the page's shell, in page order.
+# Pages whose ```py blocks without a title run as `python BLOCK`, in page order with
+# the page's commands.
 SHELL_PY = {"cli.md"}
 
-# Fenced blocks that are not run: {(page, lang): reason}.
+# Fenced blocks that are not run: {(page, lang): reason}. README.md's two ```bash blocks
+# set up a fresh machine (a venv, pip install) and then run the demo or the tests: CI
+# runs that itself, through .ci/run, and this suite is what they run.
 EXEMPT_BLOCKS = {
     ("README.md", "bash"): "the fresh-machine set-up: CI runs it itself (.ci/run runs the "
                            "test command; the demo is cli.md's `versionwatch demo`)",
@@ -342,7 +349,6 @@ FRAGMENTS = {
     ("lightning.md", "trainer.fit(model, datamodule=dm)"): "test_lightning_fragment",
     ("lightning.md", "accelerator.backward(loss)"): "test_lightning_fragment",
     ("lightning.md", "VersionWatch(on_hazard="): "test_lightning_signature",
-    ("deep-graphs.md", "versionwatch.check(loss)"): "test_deep_graph_limits_fragment",
 }
 
 # The surrounding code each fragment needs, run before it in the same namespace.
@@ -390,16 +396,6 @@ FRAGMENT_CODE = {
         loader = [torch.randn(8, 4) for _ in range(3)]
         accelerator = Accelerator()
         """,
-    # `y`: the end of a 100,000-node chain, as the block's comment says.
-    "versionwatch.check(loss)": """
-        import torch
-
-        import versionwatch
-
-        y = torch.ones(1, requires_grad=True)
-        for _ in range(100_000):
-            y = y * 1.0001
-        """,
 }
 
 
@@ -442,7 +438,7 @@ _BLOCKS = "@BLOCKS@"  # in a step: the folder the page's ```py blocks are writte
 @dataclass
 class Step:
     shown: str  # what the page shows: the command, or "```py block"
-    run: str  # what the shell runs
+    run: str  # what tests/docs_shell.py runs
     expected: str  # the output the page shows for it
     line: int
     status: int = 0
@@ -527,7 +523,7 @@ def test_lightning_signature() -> None:
     assert doc == real
 
 
-def _run_python(code: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _run_python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     def no_core_dumps() -> None:  # pragma: no cover - runs in the child
         try:
             import resource
@@ -538,7 +534,7 @@ def _run_python(code: str, cwd: Path, *args: str) -> subprocess.CompletedProcess
 
     (cwd / "script.py").write_text(code, encoding="utf-8")
     return subprocess.run(
-        [sys.executable, "-X", "faulthandler", *args, "script.py"], cwd=cwd,
+        [sys.executable, "-X", "faulthandler", "script.py"], cwd=cwd,
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         preexec_fn=no_core_dumps if os.name == "posix" else None,
@@ -568,22 +564,6 @@ def test_deep_graph_repro_crashes(tmp_path: Path) -> None:
     assert "never printed" not in p.stdout, report
     del_y = [i for i, line in enumerate(code.splitlines(), 1) if line.startswith("del y")]
     assert _crash_line(p.stderr) in del_y, report
-
-
-def test_deep_graph_limits_fragment(tmp_path: Path) -> None:
-    """The fragment under Limits: check() runs; freeing `y` afterwards may crash, as it says."""
-    marker = "versionwatch.check(loss)"
-    prelude = textwrap.dedent(FRAGMENT_CODE[marker]).lstrip()
-    block = fragment("deep-graphs.md", marker).code
-    p = _run_python(prelude + block + 'print("freed", flush=True)\n', tmp_path)
-    report = f"rc={p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-3000:]}"
-    if p.returncode == 0:
-        assert "freed" in p.stdout, report
-        return
-    assert p.returncode < 0, report  # a crash, not a Python exception
-    del_y = prelude.count("\n") + 1 + next(
-        i for i, line in enumerate(block.splitlines()) if line.startswith("del y"))
-    assert _crash_line(p.stderr) == del_y, report
 
 
 def test_cli_synopsis_matches_help() -> None:
@@ -616,7 +596,7 @@ def test_every_example_is_run_or_exempt() -> None:
         for b in blocks(path.read_text(encoding="utf-8")):
             where = f"{page}:{b.line} ```{b.lang}"
             if b.lang in ("python", "py") and b.title:
-                if not (page_steps(path) or page == "deep-graphs.md"):
+                if not (page_steps(path) or any(e[0] == page for e in ELSEWHERE)):
                     problems.append(f"{where}: the file {b.title} is used by no command")
                 if page in IN_REPO:
                     problems.append(f"{where}: {page}'s commands run in the repository")
@@ -624,12 +604,15 @@ def test_every_example_is_run_or_exempt() -> None:
                 py_blocks.append((page, b))
                 hits = [m for (pg, m) in FRAGMENTS if pg == page and m in b.code]
                 if page not in SHELL_PY and len(hits) != 1:
-                    problems.append(f"{where}: neither a file, nor run by its page's shell, "
+                    problems.append(f"{where}: neither a file, nor in SHELL_PY, "
                                     "nor one of FRAGMENTS")
             elif b.lang == "console":
                 for c in console_commands(b):
                     commands.append((page, _bare(c.text)))
                     kind, how = classify(page, c.text)
+                    if kind == "run" and page in IN_REPO and how == c.text:
+                        problems.append(f"{page}:{c.line}: `{c.text}` runs in full: MAP it "
+                                        "to a quick form, or exempt it")
                     program = [w for w in _bare(how).split() if "=" not in w][:1]
                     if kind == "run" and program not in (["python"], ["pytest"],
                                                          ["versionwatch"], ["echo"]):
@@ -678,6 +661,29 @@ def test_loose_comparison() -> None:
     expected = "a   b\n\n  at example.py:8\n...\nc"
     assert missing_lines(expected, "x\na b\nc\n") == []
     assert missing_lines(expected, "a b\n") == ["c"]
+    # "..." inside a line matches any text, in one line; pytest's durations match any
+    expected = "Error: ... Hint: ...\n1 failed in 2.1s"
+    assert missing_lines(expected, "Error: it broke. Hint: look\n== 1 failed in 0.52s ==") == []
+    assert missing_lines(expected, "Error: it broke.\nHint: look\n1 failed in 3s") == [
+        "Error: ... Hint: ..."]
+
+
+def test_files_and_commands_parse() -> None:
+    text = "\n".join([
+        '```py title="tests/test_a.py"', "def test_a(): pass", "```",
+        "```console", "$ pytest -q   # all of them", "1 passed", "", "$ echo $?", "0", "```",
+    ])
+    file, console = blocks(text)
+    assert (file.lang, file.title, console.title) == ("py", "tests/test_a.py", None)
+    cmds = console_commands(console)
+    assert [(c.text, c.output, c.line) for c in cmds] == [
+        ("pytest -q   # all of them", "1 passed\n\n", 5), ("echo $?", "0\n", 8)]
+    assert _bare(cmds[0].text) == "pytest -q"
+    assert classify("x.md", "pip install -e .  # here")[0] == "exempt"
+    assert classify("performance.md", "python benchmarks/overhead.py --strict  # slow") == (
+        "run", "python benchmarks/overhead.py --strict --quick --models a --steps 1 "
+               "--repeats 1 --warmup 0")
+    assert classify("x.md", "pytest -q") == ("run", "pytest -q")
 
 
 # -- the site --------------------------------------------------------------------------
@@ -735,7 +741,7 @@ def _start(pages: list[Path], tmp: Path) -> None:
     spec.write_text(json.dumps({"env": env, "pages": spec_pages}), encoding="utf-8")
     _RUN["pages"] = {p["name"]: p for p in spec_pages}
     _RUN["proc"] = subprocess.Popen(
-        [sys.executable, str(_SHELL), str(spec)], env=env, cwd=tmp,
+        [sys.executable, str(_SHELL), str(spec)], env=env, cwd=tmp, start_new_session=True,
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -769,8 +775,8 @@ def _start_console_pages(request: pytest.FixtureRequest,
         _start(pages, tmp_path_factory.mktemp("console"))
     yield
     proc = _RUN.get("proc")
-    if proc is not None and proc.poll() is None:
-        proc.kill()
+    if proc is not None and proc.poll() is None:  # interrupted: stop it and its children
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
     _RUN.clear()
 
