@@ -738,3 +738,19 @@ def test_the_same_module_twice_in_one_dict_is_refused():
     with pytest.raises(ValueError, match="the same module is given twice, as 'a' and 'b'"):
         versionwatch.watch({"a": m, "b": m})
     assert not m._forward_pre_hooks and not m._forward_hooks
+
+
+def test_between_events_json_names_both_bounding_events():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1))
+    with versionwatch.watch(model, on_hazard=lambda r: None) as w:
+        loss = model(torch.ones(1, 2)).sum()
+        loss.backward(retain_graph=True)
+        with torch.no_grad():
+            model[2].weight.mul_(0.9)  # e.g. weight decay by hand, between two events
+        with pytest.raises(RuntimeError):
+            loss.backward()
+    (m,) = w.reports[0].to_dict()["hazards"][0]["modified_by"]
+    assert m["kind"] == "between_events" and m["versions"] == [1, 2]
+    assert m["after"]["event"] == "end of backward #1" and m["before"]["event"] == "backward #2"
+    assert m["before"]["line"] == m["after"]["line"] + 4
+    assert m["after"]["file"].endswith("test_watch.py")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -191,7 +191,8 @@ class Ledger:
             return Modification("between_events", f"before {upcoming}", site)
         where = f" ({prev.site})" if prev.site else ""
         here = f" ({site})" if site else ""
-        return Modification("between_events", f"between {prev.label}{where} and {upcoming}{here}")
+        return Modification("between_events", f"between {prev.label}{where} and {upcoming}{here}",
+                            bounds=((prev.label, prev.site), (upcoming, site)))
 
     def silent(self, t: torch.Tensor, mod: Modification, note: str = "") -> None:
         """A write that did not bump the version (a fused optimizer kernel)."""
@@ -217,7 +218,7 @@ class Ledger:
                 h.modified_by.append(tn.modification)
             elif not silent and saved <= tn.old and tn.new <= now:
                 m = tn.modification
-                h.modified_by.append(Modification(m.kind, m.description, m.site, (tn.old, tn.new)))
+                h.modified_by.append(replace(m, versions=(tn.old, tn.new)))
             else:
                 continue
             if tn.note and tn.note not in h.notes:

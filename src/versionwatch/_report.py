@@ -40,6 +40,8 @@ class Modification:
     description: str
     site: Site | None = None
     versions: tuple[int, int] | None = None
+    # For "between_events": the two events around the change, (label, site) each.
+    bounds: tuple[tuple[str, Site | None], tuple[str, Site | None]] | None = None
 
     def __str__(self) -> str:
         text = self.description
@@ -48,6 +50,12 @@ class Modification:
         if self.versions is not None:
             text += f" (version {self.versions[0]} -> {self.versions[1]})"
         return text
+
+
+def _event(bound: tuple[str, Site | None]) -> dict[str, Any]:
+    label, site = bound
+    return {"event": label, "file": site.file if site else None,
+            "line": site.line if site else None}
 
 
 @dataclass
@@ -141,6 +149,8 @@ class Hazard:
                 "file": m.site.file if m.site else None,
                 "line": m.site.line if m.site else None,
                 **({"versions": list(m.versions)} if m.versions else {}),
+                **({"after": _event(m.bounds[0]), "before": _event(m.bounds[1])}
+                   if m.bounds else {}),
             }
             for m in self.modified_by
         ]
