@@ -20,7 +20,7 @@ import versionwatch
 from oracle import Oracle
 from programs import generate, mutation_lines, run_program
 
-N = max(600, int(os.environ.get("VERSIONWATCH_STRICT_PROGRAMS", "0")))
+N = max(2000, int(os.environ.get("VERSIONWATCH_STRICT_PROGRAMS", "0")))
 
 
 @pytest.fixture(scope="module")

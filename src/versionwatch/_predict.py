@@ -22,6 +22,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node, get_gradient_edge
 
+from versionwatch import _strict
 from versionwatch._errors import FreedGraphError, InplaceModificationError
 from versionwatch._explain import fix_for
 from versionwatch._graph import Graph, lease
@@ -225,9 +226,30 @@ class _Checker:
                 fn(*grads)  # type: ignore[operator]
             self.checked += 1
         except RuntimeError as e:
+            before = len(self.hazards)
             self._error(i, fn, "fn", None, e)
+            if len(self.hazards) > before and _strict.STATE.registry:
+                self._strict_writes(self.hazards[-1][2])
         except Exception:
             self.unverifiable.append((fn.name(), "fn"))
+
+    @staticmethod
+    def _strict_writes(h: Hazard) -> None:
+        """Strict mode: find the writes of a tensor saved out of reach (in CopySlices).
+
+        The wrapped node's saved tensors were packed by strict mode too, but
+        Python cannot reach them; a live record whose versions are the two in
+        PyTorch's message, and that saw writes, is the one; several such records
+        (views of one base) that saw the same writes tell the same story.
+        """
+        found = [
+            rec for refs in list(_strict.STATE.registry.values()) for r in refs
+            if (rec := r()) is not None and rec.writes and rec.version == h.saved_version
+            and rec.tensor._version == h.current_version
+        ]
+        if found and len({tuple(rec.writes) for rec in found}) == 1:
+            h.modified_by = list(found[0].writes)
+            h.module = h.module or found[0].module
 
     def _other(self, i: int, fn: Node, slot: str, raw: Any, saved_attr: str) -> None:
         """A slot that is not one plain saved tensor: empty, a list, or hooked."""
