@@ -26,7 +26,7 @@ class AutoWatcher(Watcher):
     """
 
     def __init__(self, on_hazard: Policy = "raise", strict: bool = False) -> None:
-        super().__init__({}, (), on_hazard, prefix=True, strict=strict)
+        super().__init__({}, (), on_hazard, strict=strict)
         self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         ref = weakref.ref(self)
 

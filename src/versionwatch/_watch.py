@@ -220,7 +220,6 @@ class Watcher:
         optimizers: tuple[Optimizer, ...],
         on_hazard: Policy,
         *,
-        prefix: bool,
         strict: bool = False,
     ) -> None:
         self.policy = resolve_policy(on_hazard)
@@ -237,7 +236,6 @@ class Watcher:
         self._backwards = 0
         self._closed = False
         self._thread_stack = _stack()
-        self._prefix = prefix
         with _LOCK:
             seen: dict[int, str] = {}
             for name, module in modules.items():
@@ -700,4 +698,4 @@ def watch(
             "watch() takes an nn.Module or a non-empty dict of named modules; "
             f"got {type(modules).__name__}"
         )
-    return Watcher(named, optimizers, on_hazard, prefix=True, strict=strict)
+    return Watcher(named, optimizers, on_hazard, strict=strict)
