@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -86,9 +86,6 @@ class Ledger:
         self.tracked[id(t)] = tr
         self.by_name[name] = tr
         self._layout = None
-
-    def names(self) -> dict[int, str]:
-        return {k: tr.name for k, tr in self.tracked.items()}
 
     # -- events --------------------------------------------------------------------
     @property
@@ -241,6 +238,3 @@ class Ledger:
         return [
             (ev, [vs.get(k) for k in keys]) for ev, vs in zip(self.events, self.versions)
         ]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"events": [ev.label for ev in self.events]}

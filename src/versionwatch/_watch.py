@@ -91,26 +91,31 @@ def _add_note(err: BaseException, text: str) -> None:
 
 # -- the process-wide patches, installed while any watcher is open ------------------
 
-def _backward(*args: Any, **kwargs: Any) -> Any:
-    __tracebackhide__ = True
-    original = _ORIGINAL["backward"]
-    w = _current()
-    if w is None:
-        return original(*args, **kwargs)
-    tensors = args[0] if args else kwargs.get("tensors")
-    inputs = args[5] if len(args) > 5 else kwargs.get("inputs")
-    return w._run_backward("backward", tensors, inputs, lambda: original(*args, **kwargs))
+def _patched(api: str, first: str, inputs_at: int) -> Callable[..., Any]:
+    """A stand-in for ``torch.autograd.<api>`` that predicts before it calls the original.
+
+    ``first`` is the name of the outputs argument, ``inputs_at`` the position of
+    ``inputs`` in the original's signature.
+    """
+
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        original = _ORIGINAL[api]
+        w = _current()
+        if w is None:
+            return original(*args, **kwargs)
+        outputs = args[0] if args else kwargs.get(first)
+        inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
+        return w._run_backward(api, outputs, inputs, lambda: original(*args, **kwargs))
+
+    patched.__name__ = patched.__qualname__ = api
+    return patched
 
 
-def _grad(*args: Any, **kwargs: Any) -> Any:
-    __tracebackhide__ = True
-    original = _ORIGINAL["grad"]
-    w = _current()
-    if w is None:
-        return original(*args, **kwargs)
-    outputs = args[0] if args else kwargs.get("outputs")
-    inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
-    return w._run_backward("grad", outputs, inputs, lambda: original(*args, **kwargs))
+# backward(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+_backward = _patched("backward", "tensors", 5)
+# grad(outputs, inputs, ...)
+_grad = _patched("grad", "outputs", 1)
 
 
 def _zero_grad(self: Optimizer, set_to_none: bool = True) -> None:
