@@ -16,10 +16,12 @@ from __future__ import annotations
 import linecache
 import random
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from oracle import Oracle, Outcome
 
@@ -28,10 +30,13 @@ __all__ = [
     "HIDDEN_SAVE",
     "SaveBoth",
     "SaveIn",
+    "SILENT",
     "SaveOut",
+    "WriteTrace",
     "generate",
     "mutation_lines",
     "run_program",
+    "visible",
 ]
 
 Shape = tuple[int, ...]
@@ -92,6 +97,9 @@ class SaveBoth(torch.autograd.Function):
 # tensors), so a graph walk cannot check it.
 HIDDEN_SAVE = "saved inside CopySlices"
 
+# Marks a write through ``.data`` in the programs ``generate(seed, silent=True)`` writes.
+SILENT = "silent"
+
 # Errors that an in-place op may legitimately raise during a program's forward.
 # The generator avoids them; the test counts (and tolerates) any that slip through.
 FORWARD_ERRORS = (
@@ -124,9 +132,10 @@ def _broadcast(a: Shape, b: Shape) -> Shape:
 
 
 class _Gen:
-    def __init__(self, seed: int, view_relu: bool) -> None:
+    def __init__(self, seed: int, view_relu: bool, silent: bool = False) -> None:
         self.seed = seed
         self.view_relu = view_relu
+        self.silent = silent
         self.r = random.Random(seed)
         self.lines: list[str] = []
         self.vars: list[_Var] = []
@@ -257,6 +266,9 @@ class _Gen:
 
     def mutate(self) -> None:
         r = self.r
+        if self.silent:
+            self.mutate_data()
+            return
         how = r.choices(["leaf", "graph", "detach", "idx"], weights=[4, 5, 2, 1])[0]
         if how == "idx" and not self.uses_idx:
             how = "leaf"
@@ -300,6 +312,23 @@ class _Gen:
         else:
             stmt = r.choice(["idx[0] = 1", "idx.zero_()", "idx.copy_(idx.flip(0))"])
             self.emit(f"{stmt}  # mutates: idx")
+
+    def mutate_data(self) -> None:
+        """A write through ``.data``: it bumps no version, so PyTorch cannot see it.
+
+        Never to a view, or to memory that a view already shares: :func:`visible`
+        bumps the version there, and a view whose base's version moved gets a new
+        grad_fn (``AsStridedBackward0``), which would make the two programs differ
+        in more than the version counter.
+        """
+        views = {v.storage for v in self.vars if v.view}
+        x = self.pick(lambda v: not v.view and v.storage not in views)
+        if x is None:
+            return
+        ops = ["add_(0.5)", "mul_(1.5)", "zero_()", f"copy_(torch.full_like({x.name}, 0.25))"]
+        if x.shape == M:
+            ops.append("masked_fill_(mask, 0.0)")
+        self.emit(f"{x.name}.data.{self.r.choice(ops)}  # mutates: {x.name} [{SILENT}]")
 
     def loss(self, name: str) -> _Var:
         r = self.r
@@ -388,12 +417,24 @@ def _fits(src: Shape, dst: Shape) -> bool:
         return False
 
 
-def generate(seed: int, *, view_relu: bool = True) -> str:
+def generate(seed: int, *, view_relu: bool = True, silent: bool = False) -> str:
     """The source text of program ``seed``: same seed, same text.
 
     ``view_relu=False`` leaves out ``relu_()`` on views (see :data:`HIDDEN_SAVE`).
+    ``silent=True`` makes every mutation a write through ``.data`` (see
+    :data:`SILENT` and :func:`visible`).
     """
-    return _Gen(seed, view_relu).program()
+    return _Gen(seed, view_relu, silent).program()
+
+
+def visible(src: str) -> str:
+    """A silent program with each ``.data`` write made through ``.detach()`` instead.
+
+    The same write to the same memory, but sharing the version counter: PyTorch
+    raises at exactly the backwards that would read memory the silent program
+    changed behind its back.
+    """
+    return src.replace(".data.", ".detach().").replace(SILENT, "visible")
 
 
 _SEED_RE = re.compile(r"^# program (\d+)$", re.MULTILINE)
@@ -443,3 +484,52 @@ def run_program(src: str, oracle: Oracle, *, seed: int | None = None) -> list[Ou
     finally:
         namespace.clear()
     return list(oracle.outcomes[start:])
+
+
+class WriteTrace(TorchDispatchMode):
+    """Ground truth for strict mode, from below autograd: every aten op that writes.
+
+    Records ``(storage, version before, line)`` for each tensor argument an op's
+    schema marks as written, with the line of program ``seed`` that ran it. This
+    sees the ops themselves, not the Python entry points that strict mode wraps,
+    so the two are independent. The version is read before autograd bumps it
+    (the bump happens above this dispatch key, once the op has returned), so a
+    write moved its tensor from ``version`` to ``version + 1``.
+    """
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.filename = f"<program {seed}>"
+        self.writes: list[tuple[int, int, int]] = []
+
+    def _line(self) -> int | None:
+        f = sys._getframe(2)
+        while f is not None:
+            if f.f_code.co_filename == self.filename:
+                return f.f_lineno
+            f = f.f_back  # type: ignore[assignment]
+        return None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        written = []
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                t = args[i] if i < len(args) else kwargs.get(a.name)
+                for x in t if isinstance(t, (list, tuple)) else (t,):
+                    if isinstance(x, torch.Tensor):
+                        written.append((torch._C._storage_address(x), x._version))
+        out = func(*args, **kwargs)
+        if written:
+            line = self._line()
+            if line is not None:
+                self.writes += [(key, version, line) for key, version in written]
+        return out
+
+    def lines(self, saved: int, now: int) -> dict[int, list[int]]:
+        """``{storage: sorted lines}`` of the writes that moved a tensor from ``saved`` to ``now``."""
+        out: dict[int, list[int]] = {}
+        for key, version, line in self.writes:
+            if saved <= version < now:
+                out.setdefault(key, []).append(line)
+        return {k: sorted(v) for k, v in out.items()}

@@ -22,7 +22,33 @@ def mlp(act: nn.Module) -> nn.Sequential:
     return nn.Sequential(nn.Linear(3, 4), act, nn.Linear(4, 1))
 
 
-def test_write_to_a_saved_activation_raises_before_it_happens():
+def test_write_to_a_saved_activation_is_named_before_backward_runs():
+    model = mlp(nn.Sigmoid())
+    x = torch.ones(2, 3)
+
+    def body():
+        h = model[1](model[0](x))
+        h.mul_(2)  # the write
+        with pytest.raises(InplaceModificationError) as info:
+            h.sum().backward()
+        return info.value
+
+    with versionwatch.watch(model, strict=True) as w:
+        err = body()
+    assert model[0].weight.grad is None, "stopped before backward ran"
+    (hz,) = err.report.hazards
+    assert (hz.detected, hz.kind, hz.node, hz.slot) == (
+        "predicted", "inplace", "SigmoidBackward0", "result")
+    assert hz.module == "model.1" and "modified by an inplace operation" in str(err)
+    (m,) = hz.modified_by
+    assert m.kind == "inplace_op" and m.description == "mul_()"
+    assert m.site is not None and m.site.line == line_of(body, "h.mul_(2)")
+    assert m.site.code == "h.mul_(2)  # the write"
+    assert "h.mul_(2)  # the write" in str(err)
+    assert list(w.reports) == [err.report], "one report: the write itself raised nothing"
+
+
+def test_stop_at_write_raises_before_the_write_happens():
     model = mlp(nn.Sigmoid())
 
     def body():
@@ -32,31 +58,68 @@ def test_write_to_a_saved_activation_raises_before_it_happens():
             h.mul_(2)  # the write
         return h, before, info.value
 
-    with versionwatch.watch(model, strict=True):
+    with versionwatch.watch(model, stop_at_write=True) as w:
         h, before, err = body()
+    assert w.strict, "stop_at_write implies strict"
     assert torch.equal(h, before), "the write must not have happened"
     (hz,) = err.report.hazards
-    assert hz.detected == "at_write" and hz.kind == "inplace"
-    assert hz.module == "model.1" and "modified by an inplace operation" in str(err)
+    assert hz.detected == "at_write" and hz.kind == "inplace" and hz.module == "model.1"
+    assert "modified by an inplace operation" in str(err)
     (m,) = hz.modified_by
-    assert m.kind == "inplace_op" and m.description == "mul_()"
     assert m.site is not None and m.site.line == line_of(body, "h.mul_(2)")
-    assert m.site.code == "h.mul_(2)  # the write"
     assert "stopped before the write" in str(err)
 
 
-def test_optimizer_step_on_a_retained_graph_is_caught_in_the_step():
+def seed_story(**kwargs):
+    """loss1.backward(retain_graph=True); step(); loss2.backward() through the same graph."""
     model = mlp(nn.Tanh())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with versionwatch.watch(model, opt, strict=True):
-        loss = model(torch.ones(2, 3)).sum()
-        loss.backward(retain_graph=True)
-        w = model[2].weight.detach().clone()
-        with pytest.raises(InplaceModificationError) as info:
+    with versionwatch.watch(model, opt, **kwargs) as w:
+        h = model(torch.ones(2, 3))
+        h.sum().backward(retain_graph=True)
+        w2 = model[2].weight.detach().clone()
+        try:
             opt.step()
-    h = info.value.report.hazards[0]
-    assert h.tensor == "model.2.weight" and h.modified_by[0].description.startswith("SGD.step() #1")
-    assert torch.equal(model[2].weight, w)
+            (h * 2).sum().backward()
+        except InplaceModificationError as e:
+            return model, w2, w, e
+    raise AssertionError("no error")
+
+
+def test_optimizer_step_on_a_retained_graph_is_named_at_the_second_backward():
+    model, _, w, err = seed_story(strict=True)
+    h = err.report.hazards[0]
+    assert h.detected == "predicted" and h.tensor == "model.2.weight"
+    assert h.modified_by[0].description.startswith("SGD.step() #1")
+    assert not torch.equal(model[2].weight, torch.zeros(0))
+
+
+def test_stop_at_write_stops_the_whole_step_before_it_writes():
+    model, before, _, err = seed_story(stop_at_write=True)
+    h = err.report.hazards[0]
+    assert h.detected == "at_write" and h.tensor == "model.2.weight"
+    assert h.modified_by[0].description.startswith("SGD.step() #1")
+    assert torch.equal(model[2].weight, before), "no parameter was updated"
+
+
+def test_a_write_to_a_graph_that_never_runs_backward_again_is_no_hazard():
+    # retain_graph=True out of habit: the step writes weights that graph saved,
+    # but the graph is dropped, so PyTorch accepts the program; so does strict mode.
+    model = mlp(nn.Tanh())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with versionwatch.watch(model, opt, strict=True) as w:
+        for _ in range(3):
+            loss = model(torch.ones(2, 3)).sum()
+            loss.backward(retain_graph=True)
+            opt.step()
+            opt.zero_grad()
+    assert list(w.reports) == []
+    # stop_at_write cannot know the graph is done with: it stops at the step.
+    with pytest.raises(InplaceModificationError, match="stopped before the write"):
+        with versionwatch.watch(model, opt, stop_at_write=True):
+            loss = model(torch.ones(2, 3)).sum()
+            loss.backward(retain_graph=True)
+            opt.step()
 
 
 def test_relu_inplace_after_sigmoid_under_log_policy_predicts_with_the_write_site(caplog):
@@ -66,9 +129,12 @@ def test_relu_inplace_after_sigmoid_under_log_policy_predicts_with_the_write_sit
         out = relu(model[1](model[0](torch.ones(2, 3))))  # writes sigmoid's saved result
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
-    first = w.reports[0].hazards[0]
-    assert first.detected == "at_write" and first.modified_by[0].description == "relu_()"
-    assert first.module == "model.1"
+    (report,) = w.reports
+    first = report.hazards[0]
+    assert first.detected == "predicted" and first.node == "SigmoidBackward0"
+    assert first.modified_by[0].description == "relu_()" and first.module == "model.1"
+    # The user's line that ran nn.ReLU(inplace=True), not torch's own.
+    assert first.modified_by[0].site.code.startswith("out = relu(model[1]")
 
 
 def test_no_alarm_for_memory_no_live_graph_saved():
@@ -104,11 +170,10 @@ def test_writes_through_data_are_silent_and_really_change_gradients():
     dirty, reports = grads(True, True)
     assert not torch.equal(clean, dirty), "the .data write must change the gradients"
     assert none == []
-    at_write, before_backward = reports
-    for r in reports:
-        assert r.hazards[0].kind == "silent" and r.hazards[0].tensor == "model.2.weight"
-    assert at_write.hazards[0].detected == "at_write" and "without a version bump" in str(at_write)
+    (before_backward,) = reports
     h = before_backward.hazards[0]
+    assert h.kind == "silent" and h.tensor == "model.2.weight"
+    assert "without a version bump" in str(before_backward)
     assert (h.detected, h.node, h.slot) == ("predicted", "AddmmBackward0", "mat2")
     assert h.modified_by[0].kind == "inplace_op" and "mul_()" in h.modified_by[0].description
     _, default_mode = grads(True, False)
@@ -195,7 +260,9 @@ def test_user_function_mode_inside_strict():
 
     model = mlp(nn.Sigmoid())
     with versionwatch.watch(model, strict=True), Count():
-        h = model(torch.ones(2, 3))
-        with pytest.raises(InplaceModificationError):
-            model[1](h).add_(1)
+        s = model[1](model(torch.ones(2, 3)))
+        s.add_(1)
+        with pytest.raises(InplaceModificationError) as info:
+            s.sum().backward()
     assert Count.calls > 0
+    assert info.value.report.hazards[0].modified_by[0].description == "add_()"

@@ -25,8 +25,9 @@ class AutoWatcher(Watcher):
     Create it with :func:`versionwatch.watch_all`.
     """
 
-    def __init__(self, on_hazard: Policy = "raise", strict: bool = False) -> None:
-        super().__init__({}, (), on_hazard, strict=strict)
+    def __init__(self, on_hazard: Policy = "raise", strict: bool = False,
+                 stop_at_write: bool = False) -> None:
+        super().__init__({}, (), on_hazard, strict=strict, stop_at_write=stop_at_write)
         self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         ref = weakref.ref(self)
 
@@ -59,7 +60,8 @@ class AutoWatcher(Watcher):
         self._on_forward(unique, True)
 
 
-def watch_all(on_hazard: Policy = "raise", strict: bool = False) -> AutoWatcher:
+def watch_all(on_hazard: Policy = "raise", strict: bool = False,
+              stop_at_write: bool = False) -> AutoWatcher:
     """Watch every module and optimizer the program uses from now on.
 
     This is what ``versionwatch run`` and ``pytest --versionwatch`` use. Root
@@ -69,6 +71,7 @@ def watch_all(on_hazard: Policy = "raise", strict: bool = False) -> AutoWatcher:
     Args:
         on_hazard: as in :func:`versionwatch.watch`.
         strict: as in :func:`versionwatch.watch`.
+        stop_at_write: as in :func:`versionwatch.watch`.
 
     Example:
         >>> import torch, versionwatch
@@ -78,4 +81,4 @@ def watch_all(on_hazard: Policy = "raise", strict: bool = False) -> AutoWatcher:
         >>> sorted(w.ledger.by_name)
         ['model.bias', 'model.weight']
     """
-    return AutoWatcher(on_hazard, strict)
+    return AutoWatcher(on_hazard, strict, stop_at_write)

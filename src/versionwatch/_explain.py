@@ -125,7 +125,9 @@ def _facts(h: Hazard) -> list[tuple[str, str]]:
     if h.current_version is not None:
         facts.append(("now at", f"version {h.current_version}"))
     for i, m in enumerate(h.modified_by):
-        facts.append(("modified by" if i == 0 else "", str(m)))
+        # Strict mode's writes carry their source line: show the code itself.
+        code = f": {m.site.code}" if m.kind == "inplace_op" and m.site and m.site.code else ""
+        facts.append(("modified by" if i == 0 else "", f"{m}{code}"))
     for note in h.notes:
         facts.append(("note", note))
     return facts

@@ -226,9 +226,11 @@ class Watcher:
         on_hazard: Policy,
         *,
         strict: bool = False,
+        stop_at_write: bool = False,
     ) -> None:
         self.policy = resolve_policy(on_hazard)
-        self.strict = strict
+        self.strict = strict or stop_at_write
+        self.stop_at_write = stop_at_write
         self._saved_hooks: Any = None
         self.ledger = Ledger()
         self.reports: deque[Report] = deque(maxlen=100)
@@ -267,7 +269,7 @@ class Watcher:
             if not _ACTIVE:
                 _install()
             _ACTIVE.append(self)
-            if strict:
+            if self.strict:
                 self._saved_hooks = _strict.attach(self)
         self._thread_stack.append(self)
 
@@ -369,12 +371,12 @@ class Watcher:
             seq = _seq_clock() if torch.is_grad_enabled() else None
             event = self.ledger.record("forward", self._label(root, n), user_site(3), seq=seq)
             if self.strict:
-                _strict.STATE.local.forward = (
+                _strict._LOCAL.forward = (
                     f"{event.label} at {event.site}" if event.site else event.label)
         else:
             label = self._label(root, self._forwards[root])
             if self.strict:
-                _strict.STATE.local.forward = None
+                _strict._LOCAL.forward = None
             self.ledger.record(
                 "forward_end", label, None,
                 cause=Modification("module_forward", f"during {label} of {root}"),
@@ -432,13 +434,13 @@ class Watcher:
                 )
         state.pending = (label, site, touched, notes)
         if self.strict:
-            _strict.STATE.local.step = label
+            _strict._LOCAL.step = label
             # Check the whole step before it writes anything: raising halfway
             # would leave some parameters updated.
             with_grad = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
             if with_grad:
                 _strict.on_write("step", (with_grad,), {})
-                _strict.STATE.local.step_checked = True
+                _strict._LOCAL.step_checked = True
 
     def _on_step_post(self, opt: Optimizer) -> None:
         state = self._optimizer(opt)
@@ -447,8 +449,8 @@ class Watcher:
         label, site, touched, notes = state.pending
         state.pending = None
         if self.strict:
-            _strict.STATE.local.step_checked = False
-            _strict.STATE.local.step = None
+            _strict._LOCAL.step_checked = False
+            _strict._LOCAL.step = None
         self.ledger.record("step", label, site, cause=Modification("optimizer.step", label, site),
                            notes=notes)
         if any(g.get("fused") for g in opt.param_groups):
@@ -615,7 +617,7 @@ class Watcher:
             self._thread_stack.remove(self)
 
     def _on_strict_write(self, hazards: list[Hazard], records: list[Any]) -> None:
-        """Strict mode saw a write to memory that a live graph saved."""
+        """``stop_at_write``: a write is about to hit memory that a live graph saved."""
         __tracebackhide__ = True
         names = self._names
         for h, rec in zip(hazards, records):
@@ -629,8 +631,8 @@ class Watcher:
                 h.notes.append("stopped before the write: nothing was modified")
         if self.policy == "raise":
             # The raise unwinds the step: its post-hook will not run.
-            _strict.STATE.local.step = None
-            _strict.STATE.local.step_checked = False
+            _strict._LOCAL.step = None
+            _strict._LOCAL.step_checked = False
             for state in self._optimizers.values():
                 state.pending = None
         report = Report(hazards=hazards)
@@ -657,6 +659,7 @@ def watch(
     *optimizers: Optimizer,
     on_hazard: Policy = "raise",
     strict: bool = False,
+    stop_at_write: bool = False,
 ) -> Watcher:
     """Watch modules (and optimizers): predict and explain every backward.
 
@@ -670,9 +673,15 @@ def watch(
             backward runs), ``"warn"`` (an :class:`InplaceHazardWarning` at your
             backward call), ``"log"`` (the ``versionwatch`` logger), or a callable
             that takes the :class:`Report`. ``$VERSIONWATCH_ON_HAZARD`` overrides it.
-        strict: also catch each write to a saved tensor at the line that makes it,
-            including writes that bump no version (``.data``, fused optimizers);
-            see the "Strict mode" page of the docs. Costs more: opt-in.
+        strict: also record each write to a saved tensor at the line that makes
+            it, including writes that bump no version (``.data``, fused
+            optimizers): a backward that would fail, or read silently changed
+            memory, is stopped before it runs and the report names those lines.
+            See the "Strict mode" page of the docs. Costs more: opt-in.
+        stop_at_write: strict mode that also stops at the write itself, before
+            it happens, whenever it hits memory that a live graph saved, even if
+            that graph never runs backward again. For debugging: it can stop
+            training that PyTorch would accept.
 
     Returns:
         A :class:`Watcher`, active until closed; use it as a context manager.
@@ -703,4 +712,4 @@ def watch(
             "watch() takes an nn.Module or a non-empty dict of named modules; "
             f"got {type(modules).__name__}"
         )
-    return Watcher(named, optimizers, on_hazard, strict=strict)
+    return Watcher(named, optimizers, on_hazard, strict=strict, stop_at_write=stop_at_write)
