@@ -28,9 +28,9 @@ from oracle import Oracle, Outcome
 __all__ = [
     "FORWARD_ERRORS",
     "HIDDEN_SAVE",
+    "SILENT",
     "SaveBoth",
     "SaveIn",
-    "SILENT",
     "SaveOut",
     "WriteTrace",
     "generate",

@@ -310,16 +310,15 @@ STATUS: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {
     ("cli.md", "versionwatch run --json report.json train.py"): (1, ()),
     ("cli.md", "versionwatch run --quiet --dot hazard.dot --svg hazard.svg train.py"): (1, ()),
     ("cli.md", "versionwatch run --strict train_two_losses.py"): (1, ()),
-    # pytest.md's tests: tests/test_train.py fails by design. Under strict mode the
-    # fused step's write is caught at the step, as an in-place hazard, so that
-    # test_fused.py's `report.first.kind == "silent"` fails too.
+    ("cli.md", "versionwatch run --stop-at-write train_two_losses.py"): (1, ()),
+    # pytest.md's tests: tests/test_train.py fails by design, in strict mode too.
     ("pytest.md", "pytest --versionwatch"): (1, ("1 failed, 5 passed",)),
     ("pytest.md", "pytest --versionwatch --versionwatch-on-hazard=warn"): (
         1, ("test_two_losses_one_step - RuntimeError", "1 failed, 5 passed, 1 warning")),
     ("pytest.md", "pytest --versionwatch -q tests/test_train.py"): (1, ()),
-    ("pytest.md", "pytest --versionwatch-strict"): (1, ("2 failed, 4 passed",)),
+    ("pytest.md", "pytest --versionwatch-strict"): (1, ("1 failed, 5 passed",)),
     ("pytest.md", "pytest --versionwatch-strict --versionwatch-on-hazard=log"): (
-        1, ("test_two_losses_one_step - RuntimeError", "2 failed, 4 passed")),
+        1, ("test_two_losses_one_step - RuntimeError", "1 failed, 5 passed")),
     ("pytest.md", "pytest --versionwatch-strict -q tests/test_train.py"): (1, ()),
     ("lightning.md", "python train_lightning.py"): (1, ()),
     ("quickstart.md", "VERSIONWATCH_ON_HAZARD=log python train.py"): (1, ()),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -266,3 +267,123 @@ def test_user_function_mode_inside_strict():
             s.sum().backward()
     assert Count.calls > 0
     assert info.value.report.hazards[0].modified_by[0].description == "add_()"
+
+
+def test_user_dispatch_mode_inside_strict():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Writes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.is_mutable:
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = mlp(nn.Sigmoid())
+    with versionwatch.watch(model, strict=True), Writes():
+        s = model[1](model(torch.ones(2, 3)))
+        s.mul_(3)
+        with pytest.raises(InplaceModificationError) as info:
+            s.sum().backward()
+    assert "aten.mul_.Tensor" in seen
+    assert info.value.report.hazards[0].modified_by[0].description == "mul_()"
+
+
+def test_threads_strict_in_one_forward_in_another():
+    """Saved-tensor hooks are per thread: another thread's forward gets the default mode."""
+    import threading
+
+    def train(model, opt, out):
+        try:
+            for _ in range(5):
+                opt.zero_grad()
+                model(torch.ones(4, 3)).pow(2).sum().backward()
+                opt.step()
+            h = model[1](model[0](torch.ones(2, 3)))
+            h.mul_(2)
+            try:
+                h.sum().backward()
+            except InplaceModificationError as e:
+                out.append(e.report.hazards[0])
+            except RuntimeError as e:  # unwatched: PyTorch's own error, after all
+                out.append(str(e))
+        except BaseException as e:  # pragma: no cover - reported by the assert below
+            out.append(e)
+
+    def run(watched: bool):
+        torch.manual_seed(0)
+        main, other = mlp(nn.Sigmoid()), mlp(nn.Sigmoid())
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (main, other)]
+        out: list = []
+        with (versionwatch.watch({"main": main, "other": other}, *opts, strict=True)
+              if watched else contextlib.nullcontext()):
+            t = threading.Thread(target=train, args=(other, opts[1], out))
+            t.start()
+            h = main[1](main[0](torch.ones(2, 3)))
+            h.add_(1)  # main's thread: strict, with the line
+            with pytest.raises(RuntimeError) as info:
+                main[2](h).sum().backward()
+            t.join()
+        return [p.detach().clone() for p in other.parameters()], out, info.value
+
+    params, out, err = run(True)
+    unwatched, plain, _ = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(params, unwatched)), "the worker trained alike"
+    assert "modified by an inplace operation" in plain[0]
+    (hz,) = out
+    assert isinstance(hz, versionwatch.Hazard), hz
+    # The worker's forward was not packed: predicted from PyTorch's own record, no line.
+    assert hz.node == "SigmoidBackward0" and hz.detected == "predicted"
+    assert [m.kind for m in hz.modified_by] != ["inplace_op"]
+    assert err.report.hazards[0].modified_by[0].description == "add_()"
+
+
+def test_strict_under_torch_compile():
+    def f(model, x):
+        h = model[1](model[0](x))
+        h.mul_(2)
+        return model[2](h)
+
+    def train(strict: bool | None):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        model = mlp(nn.Tanh())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled = torch.compile(model, backend="eager")
+        ctx = versionwatch.watch(model, opt, strict=strict) if strict is not None else None
+        with ctx if ctx is not None else contextlib.nullcontext():
+            for _ in range(3):
+                opt.zero_grad()
+                compiled(torch.ones(4, 3)).pow(2).sum().backward()
+                opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(train(None), train(True)):
+        assert torch.equal(a, b)
+    model = mlp(nn.Sigmoid())
+    g = torch.compile(f, backend="eager")
+    with versionwatch.watch(model, strict=True):
+        with pytest.raises(InplaceModificationError) as info:
+            g(model, torch.ones(2, 3)).sum().backward()
+    (m,) = info.value.report.hazards[0].modified_by
+    # torch.fx's generated code is skipped: the write is placed in f, the function
+    # torch.compile ran, not in <eval_with_key>.
+    assert m.description == "mul_()" and m.site.file.endswith("test_strict.py")
+
+
+def test_fused_step_between_backwards_is_silent_in_strict_mode_too():
+    torch.manual_seed(0)
+    D = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))
+    opt = torch.optim.Adam(D.parameters(), lr=0.1, fused=True)
+    reports = []
+    with versionwatch.watch(D, opt, strict=True, on_hazard=reports.append):
+        loss = D(torch.randn(4, 2)).mean()
+        loss.backward(retain_graph=True)
+        opt.step()  # the step
+        loss.backward()  # PyTorch raises nothing: the fused kernel bumped no version
+    (report,) = reports
+    (h,) = report.hazards
+    assert (h.kind, h.tensor, h.node) == ("silent", "D.2.weight", "AddmmBackward0")
+    (m,) = h.modified_by
+    assert m.description == "Adam.step() #1 (no version bump)" and m.site.code.startswith("opt.step()")

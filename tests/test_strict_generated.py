@@ -152,14 +152,16 @@ def test_silent_writes_are_flagged_exactly_where_the_gradients_go_wrong() -> Non
                 clean += 1
                 continue
             # PyTorch rejects V here: S reads memory changed behind its back.
-            assert not report.ok and {h.kind for h in report.hazards} == {"silent"}, (
+            # (A later node of the same backward may be freed: S would fail there.)
+            assert not report.ok and report.hazards[0].kind == "silent", (
                 f"program {seed} backward {k}: missed\n{report}\n{src}")
+            assert "inplace" not in {h.kind for h in report.hazards}, (seed, str(report))
             first = report.hazards[0]
             lines = {m.site.line for m in first.modified_by if m.site is not None}
             assert lines and all(SILENT in src.splitlines()[n - 1] for n in lines), (lines, src)
             assert lines <= set(marked)
             flagged += 1
-            if (first.node, first.slot) not in _IGNORED:
+            if (first.node, first.slot) not in _IGNORED and s.outcomes[k].kind is None:
                 read += 1
                 wrong += not _same_grads(s.grads[k], truth.grads[k])
             break  # V stopped here; S went on reading changed memory

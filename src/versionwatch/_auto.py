@@ -12,6 +12,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
@@ -32,6 +33,8 @@ class AutoWatcher(Watcher):
         ref = weakref.ref(self)
 
         def hook(module: nn.Module, args: Any) -> None:
+            if torch.compiler.is_compiling():
+                return  # a module called inside a torch.compile trace
             w = ref()
             if w is not None and not w._closed and module not in w._seen:
                 w._adopt_root(module)

@@ -15,7 +15,7 @@ from typing import Any
 
 USAGE = """\
 versionwatch run [--on-hazard raise|warn|log] [--json PATH] [--dot PATH] [--svg PATH]
-                 [--quiet] [--strict] (SCRIPT | -m MODULE) [ARGS...]
+                 [--quiet] [--strict] [--stop-at-write] (SCRIPT | -m MODULE) [ARGS...]
 versionwatch demo"""
 
 
@@ -39,8 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--svg", metavar="PATH", help="render the picture with `dot` (if installed)")
     run.add_argument("--quiet", action="store_true", help="print nothing unless there is a hazard")
     run.add_argument("--strict", action="store_true",
-                     help="strict mode: catch each write to a saved tensor at its line, "
+                     help="strict mode: name the line of each write to a saved tensor, "
                      "including writes that bump no version (slower)")
+    run.add_argument("--stop-at-write", action="store_true",
+                     help="strict mode that stops at any write to memory a live graph saved, "
+                     "before it happens, even if that graph never runs backward again")
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     run.add_argument("target", nargs=argparse.REMAINDER,
                      help="SCRIPT [ARGS...], or ARGS... with -m")
@@ -133,7 +136,8 @@ def _run(args: argparse.Namespace) -> int:
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
     status = 0
     err: BaseException | None = None
-    watcher = versionwatch.watch_all(on_hazard=args.on_hazard, strict=args.strict)
+    watcher = versionwatch.watch_all(on_hazard=args.on_hazard, strict=args.strict,
+                                     stop_at_write=args.stop_at_write)
     try:
         if args.module:
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
@@ -170,7 +174,7 @@ def _summary(watcher: Any, err: BaseException | None) -> None:
     if isinstance(err, (InplaceModificationError, FreedGraphError)):
         print("versionwatch: the run stopped at the failure above", file=sys.stderr)
     elif reports:
-        more = f" and {writes} write(s) to saved tensors (strict)" if writes else ""
+        more = f" and {writes} write(s) to saved tensors (--stop-at-write)" if writes else ""
         print(f"versionwatch: {n} backward(s) had hazards{more}; the latest timeline:",
               file=sys.stderr)
         print(watcher.timeline(), file=sys.stderr)

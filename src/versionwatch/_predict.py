@@ -242,6 +242,10 @@ class _Checker:
         PyTorch's message, and that saw writes, is the one; several such records
         (views of one base) that saw the same writes tell the same story.
         """
+        # Graphs that are garbage but not yet collected still hold records, at
+        # versions that may look the same: collect them first (this is the rare
+        # path of a backward that will fail anyway).
+        gc.collect()
         found = [
             rec for refs in list(_strict.STATE.registry.values()) for r in refs
             if (rec := r()) is not None and rec.writes and rec.version == h.saved_version

@@ -37,6 +37,9 @@ def is_library(filename: str) -> bool:
         path = os.path.abspath(filename)
         hit = path not in _USER_FILES and (
             path.startswith(_LIBRARY_DIRS) or any(p in path for p in _LIBRARY_PARTS)
+            # torch.fx's generated code (what torch.compile runs): the user's
+            # line is the call of the compiled function, further up.
+            or filename.startswith("<eval_with_key>")
         )
         _is_library[filename] = hit
     return hit

@@ -22,9 +22,8 @@ A write is only recorded: whether it matters is known when a backward would
 unpack what it changed, and the prediction before that backward reads the
 records. ``stop_at_write`` also reports at the write, before it happens.
 
-Writes made inside C++ kernels (BatchNorm's running stats) and inside
-``torch.compile`` regions are not seen; fused optimizer steps are seen through
-``torch._fused_*_``.
+Writes made inside C++ kernels (BatchNorm's running stats) are not seen;
+inside ``torch.compile`` regions a write is placed at the compiled function.
 """
 
 from __future__ import annotations
@@ -211,8 +210,13 @@ def _is_silent(name: str, t: torch.Tensor) -> bool:
     return False
 
 
-def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Called before an in-place op; raises under the ``raise`` policy."""
+def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+             silent: bool = False) -> None:
+    """Called before an in-place op; records it on the records it hits.
+
+    ``silent``: the write bumps no version (a fused optimizer step).
+    With ``stop_at_write`` it reports there too, and raises under ``raise``.
+    """
     __tracebackhide__ = True
     if not STATE.registry or _LOCAL.busy:
         return
@@ -225,12 +229,13 @@ def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         return
     _LOCAL.busy = True
     try:
-        _report_write(name, hits)
+        _report_write(name, hits, silent)
     finally:
         _LOCAL.busy = False
 
 
-def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]]) -> None:
+def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
+                  silent_op: bool = False) -> None:
     """Record the write on every record it hits; stop here if a watcher asks to."""
     __tracebackhide__ = True
     site = user_site(3)
@@ -243,7 +248,7 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]]) -> No
     stop = STATE.owners[-1] if STATE.owners and STATE.owners[-1].stop_at_write else None
     hazards = []
     for t, rec in hits:
-        silent = _is_silent(name, t)
+        silent = silent_op or _is_silent(name, t)
         mod = Modification("inplace_op", label + (" (no version bump)" if silent else ""), site)
         if not rec.writes:
             rec.writes = []

@@ -292,6 +292,8 @@ class Watcher:
         ref = weakref.ref(self)
 
         def hook(module: nn.Module, *args: Any) -> None:
+            if torch.compiler.is_compiling():
+                return  # inside a torch.compile trace: record nothing, break no graph
             w = ref()
             if w is not None and not w._closed:
                 w._on_forward(root, pre)
@@ -439,7 +441,9 @@ class Watcher:
             # would leave some parameters updated.
             with_grad = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
             if with_grad:
-                _strict.on_write("step", (with_grad,), {})
+                # Fused kernels update in place without a version bump.
+                fused = any(g.get("fused") for g in opt.param_groups)
+                _strict.on_write("step", (with_grad,), {}, silent=fused)
                 _strict._LOCAL.step_checked = True
 
     def _on_step_post(self, opt: Optimizer) -> None:
