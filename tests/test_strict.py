@@ -387,3 +387,33 @@ def test_fused_step_between_backwards_is_silent_in_strict_mode_too():
     assert (h.kind, h.tensor, h.node) == ("silent", "D.2.weight", "AddmmBackward0")
     (m,) = h.modified_by
     assert m.description == "Adam.step() #1 (no version bump)" and m.site.code.startswith("opt.step()")
+
+
+@pytest.mark.parametrize("write", [
+    lambda h, x: torch.exp(x, out=h),
+    lambda h, x: torch.linalg.matmul(x, torch.eye(4), out=h),
+    lambda h, x: torch.special.expit(x, out=h),
+    lambda h, x: h.index_put_((torch.tensor([0]),), torch.zeros(4)),
+    lambda h, x: h.masked_fill_(x > 0, 0.0),
+    lambda h, x: torch._foreach_add_([h], 1.0),
+    lambda h, x: h.view(-1)[:2].zero_(),  # through a view
+    lambda h, x: h.set_(torch.zeros(2, 4)),
+], ids=["out=", "linalg out=", "special out=", "index_put_", "masked_fill_", "_foreach_add_",
+        "view", "set_"])
+def test_each_kind_of_write_is_named(write):
+    model = mlp(nn.Sigmoid())
+    x = torch.ones(2, 4)
+    with versionwatch.watch(model, strict=True):
+        h = model[1](model[0](torch.ones(2, 3)))
+        write(h.detach(), x)  # the write, through an alias PyTorch tracks
+        with pytest.raises(InplaceModificationError) as info:
+            model[2](h).sum().backward()
+    (m,) = info.value.report.hazards[0].modified_by
+    assert m.kind == "inplace_op" and m.site.code.startswith("lambda h, x:")
+
+
+def test_patches_cover_linalg_and_are_removed():
+    matmul = torch.linalg.matmul
+    with versionwatch.watch(mlp(nn.Tanh()), strict=True):
+        assert torch.linalg.matmul is not matmul
+    assert torch.linalg.matmul is matmul

@@ -12,7 +12,8 @@ Two parts, both installed only while a strict watcher is open:
 - **Write interception.** The Python entry points of every in-place op (the
   ``Tensor`` methods ending in ``_``, ``x[i] = v``, ``+=`` and friends, the
   ``torch``/``torch._C._nn`` in-place functions, ``_foreach_*_``, ``_fused_*_``,
-  ``set_``, ``resize_``, and ``out=`` on ``torch`` functions) are wrapped. A write
+  ``set_``, ``resize_``, and ``out=`` on the functions of ``torch``,
+  ``torch.linalg``, ``torch.special`` and ``torch.fft``) are wrapped. A write
   whose target shares storage with a live record is recorded with the op, the
   user's ``file:line`` and source line; a write to any other memory costs one
   dict lookup. Writes through ``.data`` and by fused optimizer kernels bump no
@@ -332,7 +333,9 @@ def _data_getter() -> property:
 
 def _has_out(fn: Any) -> bool:
     doc = getattr(fn, "__doc__", None) or ""
-    return "out (Tensor" in doc
+    # The signature line (``linalg.matmul(input, other, *, out=None)``) or the
+    # argument list says so; builtins have no inspectable signature.
+    return "out (Tensor" in doc or "out=None" in doc.lstrip().partition("\n")[0]
 
 
 def install() -> None:
@@ -348,7 +351,8 @@ def install() -> None:
         if fn is not None:
             _patch(tensor, attr, _wrap(attr, fn))
     _patch(tensor, "data", _data_getter())
-    for mod in (torch, torch._C._nn):
+    for mod in (torch, torch._C._nn, torch.linalg, torch.special, torch.fft):
+        prefix = "" if mod is torch or mod is torch._C._nn else mod.__name__[6:] + "."
         for attr in dir(mod):
             if attr.startswith("__"):
                 continue
@@ -357,8 +361,8 @@ def install() -> None:
                 continue
             if attr.endswith("_") and attr not in _METADATA_ONLY:
                 _patch(mod, attr, _wrap(attr, fn))
-            elif mod is torch and _has_out(fn):
-                _patch(mod, attr, _wrap_out(attr, fn))
+            elif mod is not torch._C._nn and _has_out(fn):
+                _patch(mod, attr, _wrap_out(prefix + attr, fn))
     # The module being run, for the records: a thin wrapper keeps nn.Module's
     # fast path (a module hook, even a global one, sends every call down the
     # slow path, which made strict mode 1.3x slower on small models).
