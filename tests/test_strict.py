@@ -417,3 +417,57 @@ def test_patches_cover_linalg_and_are_removed():
     with versionwatch.watch(mlp(nn.Tanh()), strict=True):
         assert torch.linalg.matmul is not matmul
     assert torch.linalg.matmul is matmul
+
+
+def _gan_round(cls, scenario: str, fused: bool, watch: bool, allow: bool = False):
+    """One round of a two-network loop; returns G's grads, the reports and PyTorch's error."""
+    torch.manual_seed(0)
+    G = nn.Linear(2, 2)
+    D = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))
+    kwargs = {"lr": 0.1, "fused": fused} if fused else {"lr": 0.1, "foreach": False}
+    opt_d = cls(D.parameters(), **kwargs)
+    reports: list = []
+    err = None
+    ctx = (versionwatch.watch({"G": G, "D": D}, opt_d, on_hazard=reports.append) if watch
+           else contextlib.nullcontext())
+    mode = torch.autograd.graph.allow_mutation_on_saved_tensors() if allow else contextlib.nullcontext()
+    with ctx, mode:
+        z = torch.randn(4, 2)
+        if scenario == "step between backwards":  # the GAN bug: D steps, then G's loss reuses D's graph
+            d_out = D(G(z))
+            d_out.mean().backward(retain_graph=True)
+            opt_d.step()
+            loss = -d_out.mean()
+        elif scenario == "step after every backward":  # the fix: G's loss gets a fresh forward
+            D(G(z).detach()).mean().backward()
+            opt_d.step()
+            loss = -D(G(z)).mean()
+        else:  # "step on a graph that saved none of D": only G's own graph is pending
+            h = G(z).pow(2)
+            D(torch.randn(4, 2)).mean().backward()
+            opt_d.step()
+            loss = h.mean()
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            err = e
+    return G.weight.grad.clone(), reports, err
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD,
+                                 torch.optim.Adagrad], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("scenario", ["step between backwards", "step after every backward",
+                                      "step on a graph that saved none of D"])
+def test_fused_steps_are_flagged_exactly_where_gradients_go_wrong(cls, scenario):
+    _, _, unfused_err = _gan_round(cls, scenario, fused=False, watch=False)
+    truth, _, _ = _gan_round(cls, scenario, fused=False, watch=False, allow=True)
+    fused_grad, reports, fused_err = _gan_round(cls, scenario, fused=True, watch=True)
+    assert fused_err is None, "a fused step bumps no version: PyTorch raises nothing"
+    hazard = bool(reports)
+    # PyTorch rejects the unfused run exactly where the fused one is flagged...
+    assert hazard == (unfused_err is not None), (scenario, reports, unfused_err)
+    # ...and the fused gradients are wrong exactly there (a fused kernel rounds
+    # differently from the unfused one: compare up to that).
+    assert hazard == (not torch.allclose(fused_grad, truth, rtol=1e-5, atol=1e-7)), scenario
+    if hazard:
+        assert {h.kind for r in reports for h in r.hazards} == {"silent"}
