@@ -471,3 +471,33 @@ def test_fused_steps_are_flagged_exactly_where_gradients_go_wrong(cls, scenario)
     assert hazard == (not torch.allclose(fused_grad, truth, rtol=1e-5, atol=1e-7)), scenario
     if hazard:
         assert {h.kind for r in reports for h in r.hazards} == {"silent"}
+
+
+def test_a_write_during_backward_is_explained_with_its_line():
+    """A hook that writes a saved tensor mid-backward: no prediction can see it coming."""
+    model = mlp(nn.Sigmoid())
+
+    def body():
+        s = model[1](model[0](torch.ones(2, 3)))
+        y = model[2](s)
+
+        def hook(g):
+            with torch.no_grad():
+                s.mul_(2)  # the write, during backward
+            return g
+
+        y.register_hook(hook)
+        with pytest.raises(RuntimeError) as info:
+            y.sum().backward()
+        return info.value
+
+    with versionwatch.watch(model, strict=True) as w:
+        err = body()
+    assert str(err).startswith("one of the variables needed for gradient computation has been "
+                               "modified by an inplace operation: [torch.FloatTensor [2, 4]]")
+    (late,) = w.reports
+    (h,) = late.hazards
+    assert (h.detected, h.node, h.module) == ("after_error", "AddmmBackward0", "model.2")
+    (m,) = h.modified_by
+    assert m.site.line == line_of(body, "s.mul_(2)")
+    assert "s.mul_(2)  # the write, during backward" in "\n".join(err.__notes__)

@@ -146,6 +146,20 @@ def _no_user_backward() -> Iterator[None]:
                 BackwardCFunction._get_user_fn = _ORIGINAL_USER_FN  # type: ignore[method-assign]
 
 
+def record_hazard(rec: SavedRecord, node: str, slot: str,
+                  kind: Literal["inplace", "silent"] = "inplace",
+                  detected: Literal["predicted", "after_error"] = "predicted") -> Hazard:
+    """A hazard on a tensor strict mode packed: its record knows versions and writes."""
+    t = rec.tensor
+    output = slot.startswith("result")
+    return Hazard(kind=kind, node=node, slot=slot, saved_version=rec.version,
+                  current_version=t._version, shape=tuple(t.shape), dtype=_dtype(t),
+                  device=str(t.device), requires_grad=rec.requires_grad,
+                  saved_output=output, module=rec.module,
+                  producer=_BACKWARD.sub("", node) if output else None,
+                  saved_during=rec.forward, modified_by=list(rec.writes), detected=detected)
+
+
 class _Checker:
     """Unpacks every saved tensor of the executed nodes and collects hazards."""
 
@@ -283,12 +297,7 @@ class _Checker:
             kind = "silent"
         else:
             return
-        h = Hazard(kind=kind, node=fn.name(), slot=slot, saved_version=rec.version,
-                   current_version=t._version, shape=tuple(t.shape), dtype=_dtype(t),
-                   device=str(t.device), requires_grad=rec.requires_grad,
-                   saved_output=slot.startswith("result"), module=rec.module,
-                   producer=_BACKWARD.sub("", fn.name()) if slot.startswith("result") else None,
-                   saved_during=rec.forward, modified_by=list(rec.writes))
+        h = record_hazard(rec, fn.name(), slot, kind)
         self.hazards.append((i, len(self.hazards), h, rec))
 
     def _silent(self, i: int, fn: Node, slot: str, raw: Any) -> None:

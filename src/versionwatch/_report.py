@@ -116,8 +116,8 @@ class Hazard:
 
     @property
     def where(self) -> str:
-        """``Node.slot``, as in ``MulBackward0.other``."""
-        return f"{self.node}.{self.slot}"
+        """``Node.slot``, as in ``MulBackward0.other`` (the node alone if the slot is unknown)."""
+        return f"{self.node}.{self.slot}" if self.slot else self.node
 
     def describe_tensor(self) -> str:
         """The tensor's name if known, else its type, in the words the report uses."""

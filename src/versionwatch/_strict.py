@@ -159,9 +159,15 @@ def pack(t: torch.Tensor) -> SavedRecord:
 def unpack(rec: SavedRecord) -> torch.Tensor:
     t = rec.tensor
     if t._version != rec.version:
-        # PyTorch skips its own check for hooked tensors: make the same one.
-        raise RuntimeError(_ERR.format(type=t.type(), shape=", ".join(map(str, t.shape)),
+        # PyTorch skips its own check for hooked tensors: make the same one,
+        # with what the watcher needs to explain it (a write during backward,
+        # which no prediction could see).
+        err = RuntimeError(_ERR.format(type=t.type(), shape=", ".join(map(str, t.shape)),
                                        now=t._version, saved=rec.version))
+        node = torch._C._current_autograd_node()
+        err.versionwatch_saved = (  # type: ignore[attr-defined]
+            rec, node.name() if node is not None else "(unknown node)")
+        raise err
     return t
 
 

@@ -30,7 +30,7 @@ from versionwatch._errors import InplaceHazardWarning
 from versionwatch._explain import fix_for
 from versionwatch._ledger import Ledger, Tracked
 from versionwatch._naming import module_tensors
-from versionwatch._predict import _VERSION_RE, predict, raise_for
+from versionwatch._predict import _VERSION_RE, predict, raise_for, record_hazard
 from versionwatch._report import Hazard, Modification, Report, Site
 from versionwatch._sites import user_frame, user_site
 from versionwatch._timeline import Timeline
@@ -560,16 +560,24 @@ class Watcher:
         if m is None:
             return
         now, saved = int(m.group(1)), int(m.group(2))
-        h = Hazard(kind="inplace", node="(unknown node)", slot="?", saved_version=saved,
-                   current_version=now, detected="after_error")
+        strict = getattr(err, "versionwatch_saved", None)
+        if strict is not None:
+            # Strict mode's unpack hook raised it: its record names the writes.
+            rec, node = strict
+            h = record_hazard(rec, node, "", detected="after_error")
+            self._name_record(h, rec)
+        else:
+            h = Hazard(kind="inplace", node="(unknown node)", slot="?", saved_version=saved,
+                       current_version=now, detected="after_error")
         candidates = [
             (k, tr) for k, tr in self.ledger.tracked.items()
             if tr.last == now and any(t.old <= saved < t.new for t in tr.history)
         ]
-        if len(candidates) == 1:
+        if h.tensor is None and len(candidates) == 1:
             key, tr = candidates[0]
             h.tensor, h.key, h.requires_grad = tr.name, key, True
-            self.ledger.blame(h, key)
+            if not h.modified_by:
+                self.ledger.blame(h, key)
         h.fix = fix_for(h)
         late = Report(hazards=[h], backward_site=site)
         self.reports.append(late)
@@ -623,13 +631,8 @@ class Watcher:
     def _on_strict_write(self, hazards: list[Hazard], records: list[Any]) -> None:
         """``stop_at_write``: a write is about to hit memory that a live graph saved."""
         __tracebackhide__ = True
-        names = self._names
         for h, rec in zip(hazards, records):
-            own, base = rec.ids
-            name = names.get(own) or (names.get(base) if base is not None else None)
-            if name is not None:
-                h.tensor, h.key, h.requires_grad = name, own if own in names else base, True
-                h.view = own not in names
+            self._name_record(h, rec)
             h.fix = fix_for(h)
             if self.policy == "raise":
                 h.notes.append("stopped before the write: nothing was modified")
@@ -642,6 +645,15 @@ class Watcher:
         report = Report(hazards=hazards)
         self.reports.append(report)
         self._dispatch(report)
+
+    def _name_record(self, h: Hazard, rec: Any) -> None:
+        """Name a strict record's tensor if it is a watched one, or a view of one."""
+        names = self._names
+        own, base = rec.ids
+        name = names.get(own) or (names.get(base) if base is not None else None)
+        if name is not None:
+            h.tensor, h.key, h.requires_grad = name, own if own in names else base, True
+            h.view = own not in names
 
     def _remove_hooks(self) -> None:
         while self._handles:
