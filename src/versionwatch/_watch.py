@@ -437,14 +437,15 @@ class Watcher:
         state.pending = (label, site, touched, notes)
         if self.strict:
             _strict._LOCAL.step = label
-            # Check the whole step before it writes anything: raising halfway
-            # would leave some parameters updated.
-            with_grad = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-            if with_grad:
-                # Fused kernels update in place without a version bump.
+            if _strict.STATE.registry:
+                # The step's writes, recorded (and, under stop_at_write, checked)
+                # as one before it writes anything: raising halfway would leave
+                # some parameters updated. Fused kernels bump no version.
+                with_grad = [p for g in opt.param_groups for p in g["params"]
+                             if p.grad is not None]
                 fused = any(g.get("fused") for g in opt.param_groups)
                 _strict.on_write("step", (with_grad,), {}, silent=fused)
-                _strict._LOCAL.step_checked = True
+            _strict._LOCAL.step_checked = True
 
     def _on_step_post(self, opt: Optimizer) -> None:
         state = self._optimizer(opt)
