@@ -501,3 +501,23 @@ def test_a_write_during_backward_is_explained_with_its_line():
     (m,) = h.modified_by
     assert m.site.line == line_of(body, "s.mul_(2)")
     assert "s.mul_(2)  # the write, during backward" in "\n".join(err.__notes__)
+
+
+def test_nested_strict_watchers():
+    add_ = torch.Tensor.add_
+    outer_model, inner_model = mlp(nn.Sigmoid()), mlp(nn.Sigmoid())
+    with versionwatch.watch(outer_model, strict=True, on_hazard=lambda r: None) as outer:
+        with versionwatch.watch(inner_model, strict=True) as inner:
+            s = inner_model[1](inner_model[0](torch.ones(2, 3)))
+            s.add_(1)
+            with pytest.raises(InplaceModificationError) as info:
+                inner_model[2](s).sum().backward()
+        assert torch.Tensor.add_ is not add_, "the outer watcher is still strict"
+        s = outer_model[1](outer_model[0](torch.ones(2, 3)))
+        s.mul_(2)  # recorded by the outer watcher alone now
+        with pytest.raises(RuntimeError):
+            outer_model[2](s).sum().backward()
+    assert torch.Tensor.add_ is add_
+    assert info.value.report.hazards[0].modified_by[0].description == "add_()"
+    assert inner.reports[0] is info.value.report
+    assert outer.reports[-1].hazards[0].modified_by[0].description == "mul_()"
