@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import heapq
+import math
 import re
 import threading
 from collections.abc import Iterator, Sequence
@@ -243,27 +244,31 @@ class _Checker:
             before = len(self.hazards)
             self._error(i, fn, "fn", None, e)
             if len(self.hazards) > before and _strict.STATE.registry:
-                self._strict_writes(self.hazards[-1][2])
+                self._strict_writes(self.hazards[-1][2], fn._input_metadata[0])
         except Exception:
             self.unverifiable.append((fn.name(), "fn"))
 
     @staticmethod
-    def _strict_writes(h: Hazard) -> None:
+    def _strict_writes(h: Hazard, base: Any) -> None:
         """Strict mode: find the writes of a tensor saved out of reach (in CopySlices).
 
         The wrapped node's saved tensors were packed by strict mode too, but
-        Python cannot reach them; a live record whose versions are the two in
-        PyTorch's message, and that saw writes, is the one; several such records
-        (views of one base) that saw the same writes tell the same story.
+        Python cannot reach them. The one that failed is a live record whose
+        versions are the two in PyTorch's message, that saw writes, and whose
+        memory can hold CopySlices' base (``base``, its input's metadata).
+        Several such records (views of one base) that saw the same writes tell
+        the same story; records that tell different ones name nothing.
         """
         # Graphs that are garbage but not yet collected still hold records, at
         # versions that may look the same: collect them first (this is the rare
         # path of a backward that will fail anyway).
         gc.collect()
+        need = math.prod(base.shape) * base.dtype.itemsize
         found = [
             rec for refs in list(_strict.STATE.registry.values()) for r in refs
             if (rec := r()) is not None and rec.writes and rec.version == h.saved_version
-            and rec.tensor._version == h.current_version
+            and rec.tensor._version == h.current_version and rec.tensor.dtype == base.dtype
+            and rec.tensor.untyped_storage().nbytes() >= need
         ]
         if found and len({tuple(rec.writes) for rec in found}) == 1:
             h.modified_by = list(found[0].writes)
