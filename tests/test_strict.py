@@ -501,6 +501,7 @@ def test_a_write_during_backward_is_explained_with_its_line():
     (m,) = h.modified_by
     assert m.site.line == line_of(body, "s.mul_(2)")
     assert "s.mul_(2)  # the write, during backward" in "\n".join(err.__notes__)
+    assert not hasattr(err, "versionwatch_saved"), "the error keeps no saved tensor alive"
 
 
 def test_nested_strict_watchers():

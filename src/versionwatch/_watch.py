@@ -564,6 +564,8 @@ class Watcher:
         strict = getattr(err, "versionwatch_saved", None)
         if strict is not None:
             # Strict mode's unpack hook raised it: its record names the writes.
+            # The error may outlive the graph: it must not keep the saved tensor.
+            del err.versionwatch_saved  # type: ignore[attr-defined]
             rec, node = strict
             h = record_hazard(rec, node, "", detected="after_error")
             self._name_record(h, rec)
