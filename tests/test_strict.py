@@ -88,11 +88,11 @@ def seed_story(**kwargs):
 
 
 def test_optimizer_step_on_a_retained_graph_is_named_at_the_second_backward():
-    model, _, w, err = seed_story(strict=True)
+    model, before, w, err = seed_story(strict=True)
     h = err.report.hazards[0]
     assert h.detected == "predicted" and h.tensor == "model.2.weight"
     assert h.modified_by[0].description.startswith("SGD.step() #1")
-    assert not torch.equal(model[2].weight, torch.zeros(0))
+    assert not torch.equal(model[2].weight, before), "the step ran: only backward was stopped"
 
 
 def test_stop_at_write_stops_the_whole_step_before_it_writes():
@@ -522,3 +522,56 @@ def test_nested_strict_watchers():
     assert info.value.report.hazards[0].modified_by[0].description == "add_()"
     assert inner.reports[0] is info.value.report
     assert outer.reports[-1].hazards[0].modified_by[0].description == "mul_()"
+
+
+def test_a_step_that_raised_does_not_hide_later_writes():
+    """A step's post-hook never runs if it raises: later writes must still be recorded."""
+    model = mlp(nn.Sigmoid())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def closure():
+        raise ValueError("the closure failed")
+
+    def body():
+        model(torch.ones(2, 3)).sum().backward(retain_graph=True)  # a live graph, .grads
+        with pytest.raises(ValueError):
+            opt.step(closure)
+        s = model[1](model[0](torch.ones(2, 3)))
+        s.mul_(2)  # the write
+        with pytest.raises(InplaceModificationError) as info:
+            model[2](s).sum().backward()
+        return info.value
+
+    with versionwatch.watch(model, opt, strict=True):
+        err = body()
+    (m,) = err.report.hazards[0].modified_by
+    assert m.description == "mul_()" and m.site.line == line_of(body, "s.mul_(2)")
+
+
+def test_lbfgs_closure_forward_writes_are_recorded_and_training_is_identical():
+    def train(strict: bool | None):
+        torch.manual_seed(0)
+        model = mlp(nn.Tanh())
+        opt = torch.optim.LBFGS(model.parameters(), max_iter=3)
+
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.ones(4, 3)).pow(2).sum()
+            loss.backward()
+            return loss
+
+        with (versionwatch.watch(model, opt, strict=True) if strict
+              else contextlib.nullcontext()) as w:
+            for _ in range(2):
+                opt.step(closure)
+            h = model[1](model[0](torch.ones(2, 3)))
+            h.add_(1)  # after the steps, outside any of them
+            with pytest.raises(RuntimeError) as info:
+                model[2](h).sum().backward()
+        return [p.detach().clone() for p in model.parameters()], info.value, w
+
+    plain, _, _ = train(None)
+    watched, err, w = train(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched))
+    assert err.report.hazards[0].modified_by[0].description == "add_()"
+    assert len(w.reports) == 1

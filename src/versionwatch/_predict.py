@@ -36,7 +36,6 @@ TensorOrTensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 Api = Literal["backward", "grad"]
 
 _VERSION_RE = re.compile(r"is at version (\d+); expected version (\d+) instead")
-_BACKWARD = re.compile(r"Backward\d*$")
 _PRODUCER_RE = re.compile(r"which is output \d+ of ([\w:]+)")
 _FREED = "backward through the graph a second time"
 _RAW_PREFIX = "_raw_saved_"
@@ -145,20 +144,6 @@ def _no_user_backward() -> Iterator[None]:
             _GUARD_USERS -= 1
             if _GUARD_USERS == 0:
                 BackwardCFunction._get_user_fn = _ORIGINAL_USER_FN  # type: ignore[method-assign]
-
-
-def record_hazard(rec: SavedRecord, node: str, slot: str,
-                  kind: Literal["inplace", "silent"] = "inplace",
-                  detected: Literal["predicted", "after_error"] = "predicted") -> Hazard:
-    """A hazard on a tensor strict mode packed: its record knows versions and writes."""
-    t = rec.tensor
-    output = slot.startswith("result")
-    return Hazard(kind=kind, node=node, slot=slot, saved_version=rec.version,
-                  current_version=t._version, shape=tuple(t.shape), dtype=_dtype(t),
-                  device=str(t.device), requires_grad=rec.requires_grad,
-                  saved_output=output, module=rec.module,
-                  producer=_BACKWARD.sub("", node) if output else None,
-                  saved_during=rec.forward, modified_by=list(rec.writes), detected=detected)
 
 
 class _Checker:
@@ -302,7 +287,7 @@ class _Checker:
             kind = "silent"
         else:
             return
-        h = record_hazard(rec, fn.name(), slot, kind)
+        h = rec.hazard(fn.name(), slot, kind)
         self.hazards.append((i, len(self.hazards), h, rec))
 
     def _silent(self, i: int, fn: Node, slot: str, raw: Any) -> None:

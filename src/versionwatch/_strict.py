@@ -33,11 +33,12 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from versionwatch._explain import _BACKWARD_SUFFIX
 from versionwatch._report import Hazard, Modification
 from versionwatch._sites import user_site
 
@@ -97,6 +98,21 @@ class SavedRecord:
         self.writes: tuple[()] | list[Modification] = ()
         self.silent = False
 
+    def hazard(self, node: str, slot: str, kind: Literal["inplace", "silent"] = "inplace",
+               detected: Literal["predicted", "at_write", "after_error"] = "predicted",
+               modified_by: list[Modification] | None = None) -> Hazard:
+        """A hazard on this tensor: the versions, the module, and the writes seen so far."""
+        t = self.tensor
+        output = slot.startswith("result")
+        return Hazard(kind=kind, node=node, slot=slot, saved_version=self.version,
+                      current_version=t._version, shape=tuple(t.shape),
+                      dtype=str(t.dtype).replace("torch.", ""), device=str(t.device),
+                      requires_grad=self.requires_grad, saved_output=output, module=self.module,
+                      producer=_BACKWARD_SUFFIX.sub("", node) if output else None,
+                      saved_during=self.forward,
+                      modified_by=list(self.writes if modified_by is None else modified_by),
+                      detected=detected)
+
 
 class _Local(threading.local):
     """Per-thread strict state; class attributes are the defaults."""
@@ -137,6 +153,18 @@ def _storage_key(t: torch.Tensor) -> int:
         return int(t.untyped_storage().data_ptr())  # torch < 2.3
     except (RuntimeError, NotImplementedError):  # sparse, nested: no storage to write
         return 0
+
+
+def end_step() -> None:
+    """Leave the optimizer step this thread was in, if any.
+
+    A step's post-hook does this; a step that raised never runs it, so any sign
+    that the thread is past the step (a module call, a forward, a backward, a
+    ``zero_grad()``) does it too, or later writes would still be skipped as the
+    step's own.
+    """
+    _LOCAL.step = None
+    _LOCAL.step_checked = False
 
 
 def pack(t: torch.Tensor) -> SavedRecord:
@@ -263,20 +291,8 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
         rec.silent = rec.silent or silent
         if stop is None:
             continue  # the verdict waits for a backward: that graph may never run one
-        h = Hazard(
-            kind="silent" if silent else "inplace",
-            node="",
-            slot="",
-            saved_version=rec.version,
-            current_version=rec.tensor._version,
-            shape=tuple(rec.tensor.shape),
-            dtype=str(rec.tensor.dtype).replace("torch.", ""),
-            device=str(rec.tensor.device),
-            module=rec.module,
-            saved_during=rec.forward,
-            modified_by=[mod],
-            detected="at_write",
-        )
+        # No node yet: a write does not tell which node saved the memory.
+        h = rec.hazard("", "", "silent" if silent else "inplace", "at_write", [mod])
         hazards.append((h, rec))
     if stop is not None:
         stop._on_strict_write([h for h, _ in hazards], [rec for _, rec in hazards])
@@ -418,6 +434,8 @@ def _module_call(call_impl: Callable[..., Any]) -> Callable[..., Any]:
         stack = local.modules
         if stack is None:
             stack = local.modules = []
+        if local.step is not None:
+            end_step()  # optimizers run no modules: that step is over, or a closure runs
         stack.append(names.get(id(self)) or type(self).__name__)
         try:
             return call_impl(self, *args, **kwargs)
@@ -439,8 +457,8 @@ def attach(owner: Any) -> Any:
 
 def detach(owner: Any, hooks: Any) -> None:
     hooks.__exit__(None, None, None)
-    _LOCAL.step = _LOCAL.forward = None
-    _LOCAL.step_checked = False
+    end_step()
+    _LOCAL.forward = None
     if owner in STATE.owners:
         STATE.owners.remove(owner)
     if not STATE.owners:

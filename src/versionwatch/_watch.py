@@ -30,7 +30,7 @@ from versionwatch._errors import InplaceHazardWarning
 from versionwatch._explain import fix_for
 from versionwatch._ledger import Ledger, Tracked
 from versionwatch._naming import module_tensors
-from versionwatch._predict import _VERSION_RE, predict, raise_for, record_hazard
+from versionwatch._predict import _VERSION_RE, predict, raise_for
 from versionwatch._report import Hazard, Modification, Report, Site
 from versionwatch._sites import user_frame, user_site
 from versionwatch._timeline import Timeline
@@ -385,6 +385,8 @@ class Watcher:
             )
 
     def _on_zero_grad(self, opt: Optimizer, set_to_none: bool) -> None:
+        if self.strict:
+            _strict.end_step()  # past any step, even one that raised
         state = self._optimizer(opt)
         if state is None:
             return
@@ -415,9 +417,10 @@ class Watcher:
         self.ledger.sync(label, site)
         touched, notes = [], {}
         params, trs = self._watched(opt)  # also adopts params added since
+        fused = any(g.get("fused") for g in opt.param_groups)
         # Only fused steps need the versions before, and only zero_grad(set_to_none=
         # False) leaves marks that make notes: otherwise skip the per-param loop.
-        if not (self._kept_grads or any(g.get("fused") for g in opt.param_groups)):
+        if not (self._kept_grads or fused):
             params = []
         for p, tr in zip(params, trs):
             g = p.grad
@@ -443,7 +446,6 @@ class Watcher:
                 # some parameters updated. Fused kernels bump no version.
                 with_grad = [p for g in opt.param_groups for p in g["params"]
                              if p.grad is not None]
-                fused = any(g.get("fused") for g in opt.param_groups)
                 _strict.on_write("step", (with_grad,), {}, silent=fused)
             _strict._LOCAL.step_checked = True
 
@@ -454,8 +456,7 @@ class Watcher:
         label, site, touched, notes = state.pending
         state.pending = None
         if self.strict:
-            _strict._LOCAL.step_checked = False
-            _strict._LOCAL.step = None
+            _strict.end_step()
         self.ledger.record("step", label, site, cause=Modification("optimizer.step", label, site),
                            notes=notes)
         if any(g.get("fused") for g in opt.param_groups):
@@ -472,6 +473,8 @@ class Watcher:
     # -- backward --------------------------------------------------------------------
     def _run_backward(self, api: str, outputs: Any, inputs: Any, call: Callable[[], Any]) -> Any:
         __tracebackhide__ = True
+        if self.strict:
+            _strict.end_step()  # past any step, even one that raised (or in a closure)
         site = user_site(3)
         self._backwards += 1
         n = self._backwards
@@ -567,20 +570,21 @@ class Watcher:
             # The error may outlive the graph: it must not keep the saved tensor.
             del err.versionwatch_saved  # type: ignore[attr-defined]
             rec, node = strict
-            h = record_hazard(rec, node, "", detected="after_error")
+            h = rec.hazard(node, "", detected="after_error")
             self._name_record(h, rec)
         else:
             h = Hazard(kind="inplace", node="(unknown node)", slot="?", saved_version=saved,
                        current_version=now, detected="after_error")
-        candidates = [
-            (k, tr) for k, tr in self.ledger.tracked.items()
-            if tr.last == now and any(t.old <= saved < t.new for t in tr.history)
-        ]
-        if h.tensor is None and len(candidates) == 1:
-            key, tr = candidates[0]
-            h.tensor, h.key, h.requires_grad = tr.name, key, True
-            if not h.modified_by:
-                self.ledger.blame(h, key)
+        if h.tensor is None:
+            candidates = [
+                (k, tr) for k, tr in self.ledger.tracked.items()
+                if tr.last == now and any(t.old <= saved < t.new for t in tr.history)
+            ]
+            if len(candidates) == 1:
+                key, tr = candidates[0]
+                h.tensor, h.key, h.requires_grad = tr.name, key, True
+                if not h.modified_by:
+                    self.ledger.blame(h, key)
         h.fix = fix_for(h)
         late = Report(hazards=[h], backward_site=site)
         self.reports.append(late)
@@ -641,8 +645,7 @@ class Watcher:
                 h.notes.append("stopped before the write: nothing was modified")
         if self.policy == "raise":
             # The raise unwinds the step: its post-hook will not run.
-            _strict._LOCAL.step = None
-            _strict._LOCAL.step_checked = False
+            _strict.end_step()
             for state in self._optimizers.values():
                 state.pending = None
         report = Report(hazards=hazards)
