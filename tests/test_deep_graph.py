@@ -15,7 +15,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 DEEP = 100_000
 
@@ -208,12 +207,12 @@ def test_check_scales_linearly() -> None:
     assert "freed" in p.stdout, explain(p)
 
 
-@pytest.mark.skipif(
-    not torch.__version__.startswith("2.13."),
-    reason="the crash on freeing a deep touched graph is documented for torch 2.13",
-)
 def test_control_plain_walk_then_drop_crashes() -> None:
-    """What the lease guards against: a plain walk, then the graph is dropped."""
+    """What the lease guards against: a plain walk, then the graph is dropped.
+
+    Run on every torch: where the drop does not crash (the behaviour is probed,
+    not assumed from the version), the test says so as an expected failure.
+    """
     p = run_script(
         """
         y = chain(60_000)

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import versionwatch
 from oracle import Oracle
+from versionwatch._compat import SAVED_INTROSPECTION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -356,7 +357,9 @@ def test_custom_function_input_modified(oracle):
     with torch.no_grad():
         h.add_(1)
     r = expect_failure(oracle, lambda: oracle.backward(y.sum()))
-    assert r.hazards[0].slot == "saved_tensors[0]" and r.hazards[0].node == "SaveBothBackward"
+    # Without saved-tensor introspection the list fails as a whole (docs/versions.md).
+    assert r.hazards[0].slot == ("saved_tensors[0]" if SAVED_INTROSPECTION else "saved_tensors")
+    assert r.hazards[0].node == "SaveBothBackward"
 
 
 def test_custom_function_output_modified(oracle):
@@ -364,7 +367,7 @@ def test_custom_function_output_modified(oracle):
     with torch.no_grad():
         y.mul_(2)
     r = expect_failure(oracle, lambda: oracle.backward(y.sum()))
-    assert r.hazards[0].slot == "saved_tensors[1]"
+    assert r.hazards[0].slot == ("saved_tensors[1]" if SAVED_INTROSPECTION else "saved_tensors")
 
 
 def test_custom_function_freed(oracle):

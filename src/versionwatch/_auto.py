@@ -12,10 +12,10 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from versionwatch._compat import is_compiling
 from versionwatch._config import Policy
 from versionwatch._watch import Watcher, _variable_name
 
@@ -33,7 +33,7 @@ class AutoWatcher(Watcher):
         ref = weakref.ref(self)
 
         def hook(module: nn.Module, args: Any) -> None:
-            if torch.compiler.is_compiling():
+            if is_compiling():
                 return  # a module called inside a torch.compile trace
             w = ref()
             if w is not None and not w._closed and module not in w._seen:

@@ -24,8 +24,19 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node, get_gradient_edge
 
 from versionwatch import _strict
+from versionwatch._compat import (
+    SAVED_INTROSPECTION,
+    SAVED_UNPACK,
+    UNREAD,
+    USER_FN_ATTR,
+    HookedSaved,
+    SavedTensor,
+    input_metadata,
+    peek,
+    zero_grads,
+)
 from versionwatch._errors import FreedGraphError, InplaceModificationError
-from versionwatch._explain import fix_for
+from versionwatch._explain import _BACKWARD_SUFFIX, fix_for
 from versionwatch._graph import Graph, lease
 from versionwatch._naming import Names, name_of, resolve_names
 from versionwatch._report import Hazard, Report
@@ -37,6 +48,10 @@ Api = Literal["backward", "grad"]
 
 _VERSION_RE = re.compile(r"is at version (\d+); expected version (\d+) instead")
 _PRODUCER_RE = re.compile(r"which is output \d+ of ([\w:]+)")
+_VIEW_NODE_RE = re.compile(
+    r"(T|Transpose|Permute|View|Reshape|UnsafeView|Expand|AsStrided|Slice|Select|Squeeze|"
+    r"Unsqueeze|Alias|Diagonal|Narrow)(Backward\d*)?")
+_SAVED_RE = re.compile(r"\[(\S+) \[([\d, ]*)\]\]")  # "[torch.FloatTensor [8, 1]]"
 _FREED = "backward through the graph a second time"
 _RAW_PREFIX = "_raw_saved_"
 
@@ -79,7 +94,7 @@ _CUSTOM: _Plan = (("saved_tensors", "_raw_saved_tensors", "saved_tensors"),)
 # An in-place op on a view: CopySlices wraps the op's own node, which Python
 # cannot reach (its saved tensors included); see _Checker._copy_slices.
 _COPY_SLICES: _Plan = (("fn", "", ""),)
-_SavedTensor: Any = torch._C._autograd.SavedTensor
+_SavedTensor: Any = SavedTensor
 
 
 def _plan(fn: Node) -> _Plan:
@@ -114,13 +129,13 @@ class _Guard(threading.local):
 _GUARD = _Guard()
 _GUARD_LOCK = threading.Lock()
 _GUARD_USERS = 0
-_ORIGINAL_USER_FN: Any = BackwardCFunction._get_user_fn
+_ORIGINAL_USER_FN: Any = getattr(BackwardCFunction, USER_FN_ATTR)
 
 
-def _guarded_user_fn(self: Any) -> Any:
+def _guarded_user_fn(self: Any, *args: Any) -> Any:
     if _GUARD.depth:
         raise _UserCode
-    return _ORIGINAL_USER_FN(self)
+    return _ORIGINAL_USER_FN(self, *args)
 
 
 @contextlib.contextmanager
@@ -133,7 +148,7 @@ def _no_user_backward() -> Iterator[None]:
     global _GUARD_USERS
     with _GUARD_LOCK:
         if _GUARD_USERS == 0:
-            BackwardCFunction._get_user_fn = _guarded_user_fn  # type: ignore[method-assign]
+            setattr(BackwardCFunction, USER_FN_ATTR, _guarded_user_fn)
         _GUARD_USERS += 1
     _GUARD.depth += 1
     try:
@@ -143,7 +158,7 @@ def _no_user_backward() -> Iterator[None]:
         with _GUARD_LOCK:
             _GUARD_USERS -= 1
             if _GUARD_USERS == 0:
-                BackwardCFunction._get_user_fn = _ORIGINAL_USER_FN  # type: ignore[method-assign]
+                setattr(BackwardCFunction, USER_FN_ATTR, _ORIGINAL_USER_FN)
 
 
 class _Checker:
@@ -163,6 +178,9 @@ class _Checker:
         ...), and three attribute reads per saved tensor: the raw saved variable,
         its unpack hook, and the checked getter, which runs PyTorch's version check.
         """
+        if not SAVED_INTROSPECTION:
+            self._run_blind(nodes, executed)
+            return
         plans = _PLANS
         silent = self.silent
         checked = 0
@@ -202,9 +220,75 @@ class _Checker:
                         self._error(i, fn, slot, raw, e)
                         continue
                     if silent:
-                        self._silent(i, fn, slot, raw)
+                        self._silent(i, fn, slot, raw.data)
         finally:
             self.checked += checked
+
+    def _run_blind(self, nodes: Sequence[Node], executed: Sequence[bool] | None) -> None:
+        """:meth:`run` on a torch whose raw saved tensors hide their hooks and data.
+
+        Each slot is read through its checked getter inside :func:`peek`, which
+        refuses to run any hook: a slot that has one (a user's, checkpoint's,
+        ``save_on_cpu``'s) is not verifiable, as on new torch. Strict mode's
+        own hook hands its records over instead.
+        """
+        for i, fn in enumerate(nodes):
+            if executed is not None and not executed[i]:
+                continue
+            plan = _PLANS.get(type(fn))
+            if plan is None:
+                plan = _plan(fn)
+            if not plan:
+                continue
+            if plan is _COPY_SLICES:
+                self._copy_slices(i, fn)
+                continue
+            for slot, raw_attr, saved_attr in plan:
+                self._peek_slot(i, fn, slot, raw_attr, saved_attr)
+
+    def _peek_slot(self, i: int, fn: Node, slot: str, raw_attr: str, saved_attr: str) -> None:
+        try:
+            value, records = peek(fn, saved_attr)
+        except HookedSaved:
+            self.unverifiable.append((fn.name(), slot))
+            return
+        except RuntimeError as e:
+            # A list slot fails as a whole here: its one element, else no index.
+            try:
+                raws = getattr(fn, raw_attr)
+            except RuntimeError:
+                raws = None
+            if isinstance(raws, (tuple, list)) and len(raws) == 1:
+                slot += "[0]"
+            self._error(i, fn, slot, None, e)
+            return
+        if value is UNREAD:
+            raws = getattr(fn, raw_attr)
+            many = isinstance(raws, (tuple, list))
+            for k, rec in enumerate(records):
+                self._strict(i, fn, f"{slot}[{k}]" if many else slot, rec)
+            if many:  # the read stopped part way: the rest stay unread
+                self.unverifiable += [(fn.name(), f"{slot}[{k}]")
+                                      for k in range(len(records), len(raws))]
+            return
+        if value is None:
+            # An undefined saved variable counts as checked, as on torch that shows it.
+            if getattr(fn, raw_attr) is not None:
+                self.checked += 1
+            return
+        many = isinstance(value, (tuple, list))
+        values = list(value) if many else [value]
+        for k, t in enumerate(values):
+            if not isinstance(t, torch.Tensor):
+                continue
+            where = f"{slot}[{k}]" if many else slot
+            if records:
+                # Strict packed them all (one record per tensor, in order).
+                self._strict(i, fn, where, records.pop(0))
+                continue
+            self.checked += 1
+            if self.silent:
+                self._silent(i, fn, where, t)
 
     def _copy_slices(self, i: int, fn: Node) -> None:
         """Run CopySlices once on zero gradients, as backward would run it.
@@ -218,10 +302,7 @@ class _Checker:
         code) is refused before it starts, and the node counts as not verifiable.
         """
         try:
-            grads = [
-                torch.zeros(m.shape, dtype=m.dtype, device=m.device)
-                for m in fn._input_metadata
-            ]
+            grads = zero_grads(fn)
             with torch.no_grad(), _no_user_backward():
                 fn(*grads)  # type: ignore[operator]
             self.checked += 1
@@ -229,7 +310,7 @@ class _Checker:
             before = len(self.hazards)
             self._error(i, fn, "fn", None, e)
             if len(self.hazards) > before and _strict.STATE.registry:
-                self._strict_writes(self.hazards[-1][2], fn._input_metadata[0])
+                self._strict_writes(self.hazards[-1][2], input_metadata(fn))
         except Exception:
             self.unverifiable.append((fn.name(), "fn"))
 
@@ -248,11 +329,13 @@ class _Checker:
         # versions that may look the same: collect them first (this is the rare
         # path of a backward that will fail anyway).
         gc.collect()
-        need = math.prod(base.shape) * base.dtype.itemsize
+        # Where torch hides the base's metadata, versions and writes decide alone.
+        need = math.prod(base.shape) * base.dtype.itemsize if base is not None else 0
         found = [
             rec for refs in list(_strict.STATE.registry.values()) for r in refs
             if (rec := r()) is not None and rec.writes and rec.version == h.saved_version
-            and rec.tensor._version == h.current_version and rec.tensor.dtype == base.dtype
+            and rec.tensor._version == h.current_version
+            and (base is None or rec.tensor.dtype == base.dtype)
             and rec.tensor.untyped_storage().nbytes() >= need
         ]
         if found and len({tuple(rec.writes) for rec in found}) == 1:
@@ -264,7 +347,7 @@ class _Checker:
         if raw is None:
             return
         if isinstance(raw, (tuple, list)):
-            self._sequence(i, fn, slot, raw)
+            self._sequence(i, fn, slot, raw, saved_attr)
         elif _hooked(raw):
             self.unverifiable.append((fn.name(), slot))
         else:
@@ -275,7 +358,7 @@ class _Checker:
                 self._error(i, fn, slot, raw, e)
                 return
             if self.silent:
-                self._silent(i, fn, slot, raw)
+                self._silent(i, fn, slot, raw.data)
 
     def _strict(self, i: int, fn: Node, slot: str, rec: SavedRecord) -> None:
         """A tensor strict mode packed: its record knows the versions and the writes."""
@@ -290,8 +373,7 @@ class _Checker:
         h = rec.hazard(fn.name(), slot, kind)
         self.hazards.append((i, len(self.hazards), h, rec))
 
-    def _silent(self, i: int, fn: Node, slot: str, raw: Any) -> None:
-        data = raw.data
+    def _silent(self, i: int, fn: Node, slot: str, data: Any) -> None:
         if not isinstance(data, torch.Tensor):
             return
         written = self.silent.get(id(data)) if self.silent else None
@@ -304,7 +386,10 @@ class _Checker:
         h.shape, h.dtype, h.device = tuple(data.shape), _dtype(data), str(data.device)
         self.hazards.append((i, len(self.hazards), h, data))
 
-    def _sequence(self, i: int, fn: Node, slot: str, raws: Sequence[Any]) -> None:
+    def _sequence(self, i: int, fn: Node, slot: str, raws: Sequence[Any], saved_attr: str) -> None:
+        if not SAVED_UNPACK:
+            self._sequence_whole(i, fn, slot, raws, saved_attr)
+            return
         for k, raw in enumerate(raws):
             if raw is None:
                 continue
@@ -319,6 +404,35 @@ class _Checker:
                 self.checked += 1
             except RuntimeError as e:
                 self._error(i, fn, f"{slot}[{k}]", raw, e)
+
+    def _sequence_whole(self, i: int, fn: Node, slot: str, raws: Sequence[Any],
+                        saved_attr: str) -> None:
+        """:meth:`_sequence` where a raw saved tensor cannot be unpacked alone.
+
+        Hooked elements are handled one by one; the others are checked by the
+        slot's getter, which runs PyTorch's check on each in order, and a
+        failure is placed by the data that matches PyTorch's message.
+        """
+        plain = [k for k, raw in enumerate(raws) if raw is not None and not _hooked(raw)]
+        hooked = [k for k, raw in enumerate(raws) if raw is not None and _hooked(raw)]
+        for k in hooked:
+            if raws[k].unpack_hook is _strict_unpack:
+                self._strict(i, fn, f"{slot}[{k}]", raws[k].data)
+            else:
+                self.unverifiable.append((fn.name(), f"{slot}[{k}]"))
+        if not plain:
+            return
+        if hooked:
+            # The getter would run the others' hooks: the plain ones stay unread.
+            self.unverifiable += [(fn.name(), f"{slot}[{k}]") for k in plain]
+            return
+        try:
+            getattr(fn, saved_attr)
+            self.checked += len(plain)
+        except RuntimeError as e:
+            at = _stale_index(raws, str(e))
+            where = f"{slot}[{at}]" if at is not None else slot
+            self._error(i, fn, where, raws[at] if at is not None else None, e)
 
     def _custom(self, i: int, fn: Any) -> None:
         try:
@@ -343,6 +457,11 @@ class _Checker:
             return
         except RuntimeError as e:
             whole = e
+        if not SAVED_UNPACK:
+            at = _stale_index(raws, str(whole))
+            where = f"saved_tensors[{at}]" if at is not None else "saved_tensors"
+            self._error(i, fn, where, raws[at] if at is not None else None, whole)
+            return
         found = False
         outputs: list[int] = []
         for k, raw in enumerate(raws):
@@ -371,6 +490,10 @@ class _Checker:
         data = raw.data if raw is not None else None
         if not isinstance(data, torch.Tensor):
             data = None
+        view = False
+        requires_grad: bool | None = None
+        if data is None and not SAVED_INTROSPECTION:
+            data, view, requires_grad = _stale_leaf(fn, msg, int(m.group(1)))
         producer_m = _PRODUCER_RE.search(msg)
         h = Hazard(
             kind="inplace",
@@ -378,7 +501,8 @@ class _Checker:
             slot=slot,
             current_version=int(m.group(1)),
             saved_version=int(m.group(2)),
-            producer=producer_m.group(1) if producer_m else None,
+            # Older torch names the node ("SigmoidBackward0"), newer the op ("Sigmoid").
+            producer=_BACKWARD_SUFFIX.sub("", producer_m.group(1)) if producer_m else None,
             saved_output=slot.startswith("result")
             or (isinstance(fn, BackwardCFunction) and producer_m is not None
                 and fn.name().startswith(producer_m.group(1))),
@@ -394,11 +518,98 @@ class _Checker:
                 # user it is the parameter that was modified.
                 h.producer = None
                 h.requires_grad = True
+            if view:  # the leaf found for a view it saved (old torch)
+                h.shape = _message_shape(msg) or h.shape
+                h.producer, h.requires_grad, h.view = None, True, True
+        elif not SAVED_INTROSPECTION:
+            # What PyTorch's message says of the tensor: "[torch.FloatTensor [4, 3]]".
+            h.requires_grad = requires_grad
+            h.shape = _message_shape(msg)
+            h.dtype, h.device = _message_type(msg)
         self.hazards.append((i, seq, h, data))
 
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
+
+
+def _stale_index(raws: Sequence[Any], msg: str) -> int | None:
+    """The element of a saved list that PyTorch's message is about, if only one fits."""
+    m = _VERSION_RE.search(msg)
+    t = _SAVED_RE.search(msg)
+    if m is None or t is None:
+        return None
+    now, shape = int(m.group(1)), _message_shape(msg)
+    hits = [k for k, r in enumerate(raws)
+            if r is not None and isinstance(d := r.data, torch.Tensor) and d._version == now
+            and tuple(d.shape) == shape and d.type() == t.group(1)]
+    return hits[0] if len(hits) == 1 else None
+
+
+_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
+           "Long": "int64", "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8",
+           "Bool": "bool", "ComplexFloat": "complex64", "ComplexDouble": "complex128"}
+
+
+def _message_type(msg: str) -> tuple[str | None, str | None]:
+    """dtype and device from PyTorch's type name: torch.cuda.HalfTensor -> float16, cuda."""
+    m = _SAVED_RE.search(msg)
+    if m is None:
+        return None, None
+    parts = m.group(1).split(".")
+    dtype = _DTYPES.get(parts[-1].removesuffix("Tensor"))
+    return dtype, parts[1] if len(parts) == 3 else "cpu"
+
+
+def _message_shape(msg: str) -> tuple[int, ...] | None:
+    m = _SAVED_RE.search(msg)
+    if m is None:
+        return None
+    return tuple(int(d) for d in m.group(2).split(",") if d.strip())
+
+
+def _stale_leaf(fn: Node, msg: str, now: int) -> tuple[torch.Tensor | None, bool, bool | None]:
+    """The leaf a stale saved tensor belongs to, found without reading the slot.
+
+    Where a raw saved tensor hides its data (old torch), the slot cannot be read
+    once it is stale. The tensor a node saves for a leaf is that leaf or a view
+    of it (``weight.t()``), and the leaf is one of the node's inputs: an
+    ``AccumulateGrad`` edge, directly or behind one view node. The one such
+    leaf at the message's version, type and size is it; none or several name
+    nothing. Without a producer and without such a leaf, the tensor is a leaf
+    that does not require grad (the third value says so).
+    """
+    m = _SAVED_RE.search(msg)
+    if m is None:
+        return None, False, None
+    type_name = m.group(1)
+    shape = _message_shape(msg) or ()
+    numel = math.prod(shape)
+    # PyTorch names the node that produced a saved non-leaf: none for a leaf,
+    # the view's node for a view of one; anything else is no leaf of ours.
+    producer_m = _PRODUCER_RE.search(msg)
+    producer = producer_m.group(1) if producer_m else None
+    if producer is not None and _VIEW_NODE_RE.fullmatch(producer) is None:
+        return None, False, None
+    found: dict[int, torch.Tensor] = {}
+    for e in fn.next_functions:
+        node = e[0]
+        if node is None:
+            continue
+        if producer is not None:
+            # The view's own node is rebuilt on access (AsStrided for a T), so
+            # any single-input view node in front of a leaf qualifies.
+            if _VIEW_NODE_RE.fullmatch(node.name()) is None or len(node.next_functions) != 1:
+                continue
+            node = node.next_functions[0][0]
+        var = getattr(node, "variable", None)
+        if (isinstance(var, torch.Tensor) and var._version == now and var.numel() == numel
+                and var.type() == type_name):
+            found[id(var)] = var
+    if len(found) != 1:
+        return None, False, False if not found and producer is None else None
+    (leaf,) = found.values()
+    return leaf, producer is not None, None  # through a view node: saved a view of it
 
 
 def _executed(graph: Graph, targets: set[int] | None, accumulate: bool) -> list[bool]:
@@ -588,7 +799,7 @@ def predict(
                 elif data is not None:
                     name, via_view = name_of(data, name_map)
                     if name is not None:
-                        h.tensor, h.view = name, via_view
+                        h.tensor, h.view = name, via_view or h.view
                         h.key = id(data._base if via_view else data)
                 h.fix = fix_for(h)
                 report.hazards.append(h)

@@ -38,6 +38,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from versionwatch._compat import PEEK as _PEEK
+from versionwatch._compat import allow_in_peek, storage_address
 from versionwatch._explain import _BACKWARD_SUFFIX
 from versionwatch._report import Hazard, Modification
 from versionwatch._sites import user_site
@@ -142,14 +144,13 @@ STATE = _State()
 _LOCAL = STATE.local
 
 
-_storage_address: Callable[[torch.Tensor], int] | None = getattr(torch._C, "_storage_address", None)
 
 
 def _storage_key(t: torch.Tensor) -> int:
     """The identity of ``t``'s storage, shared by its views and ``.data`` aliases."""
     try:
-        if _storage_address is not None:
-            return _storage_address(t)
+        if storage_address is not None:
+            return storage_address(t)
         return int(t.untyped_storage().data_ptr())  # torch < 2.3
     except (RuntimeError, NotImplementedError):  # sparse, nested: no storage to write
         return 0
@@ -186,6 +187,10 @@ def pack(t: torch.Tensor) -> SavedRecord:
 
 def unpack(rec: SavedRecord) -> torch.Tensor:
     t = rec.tensor
+    peeked = _PEEK.records
+    if peeked is not None:  # the predictor reads the record (old torch)
+        peeked.append(rec)
+        return t
     if t._version != rec.version:
         # PyTorch skips its own check for hooked tensors: make the same one,
         # with what the watcher needs to explain it (a write during backward,
@@ -463,3 +468,6 @@ def detach(owner: Any, hooks: Any) -> None:
         STATE.owners.remove(owner)
     if not STATE.owners:
         uninstall()
+
+
+allow_in_peek(unpack)

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from versionwatch import _strict
+from versionwatch._compat import SAVED_INTROSPECTION, is_compiling
 from versionwatch._config import Policy, resolve_policy
 from versionwatch._errors import InplaceHazardWarning
 from versionwatch._explain import fix_for
@@ -187,6 +188,33 @@ def _variable_name(module: nn.Module, skip: int) -> str:
     return type(module).__name__
 
 
+def _match_ledger(h: Hazard, scope: list[Watcher]) -> None:
+    """Name a stale tensor that the predictor could not read (old torch), by its history.
+
+    A buffer has no ``AccumulateGrad`` edge to be found by; a watched tensor now
+    at the hazard's version that went through the saved one, of the same size,
+    is it. Ties (``running_mean`` and ``running_var`` move together) go to the
+    one named like the slot that saved it.
+    """
+    if h.kind != "inplace" or h.producer is not None or h.saved_version is None:
+        return
+    now, saved = h.current_version, h.saved_version
+    found: list[tuple[int, Tracked, torch.Tensor]] = []
+    for w in scope:
+        for key, tr in w.ledger.tracked.items():
+            t = tr.ref()
+            if (t is None or t._version != now
+                    or (h.shape is not None and tuple(t.shape) != h.shape)
+                    or not any(tn.old <= saved < tn.new for tn in tr.history)):
+                continue
+            found.append((key, tr, t))
+    if len(found) > 1:
+        found = [f for f in found if f[1].name.rsplit(".", 1)[-1] == h.slot]
+    if len(found) == 1:
+        key, tr, t = found[0]
+        h.tensor, h.key, h.requires_grad = tr.name, key, t.requires_grad
+
+
 _Pending = tuple[str, Optional[Site], list[tuple[torch.Tensor, int]], dict[int, str]]
 
 
@@ -292,7 +320,7 @@ class Watcher:
         ref = weakref.ref(self)
 
         def hook(module: nn.Module, *args: Any) -> None:
-            if torch.compiler.is_compiling():
+            if is_compiling():
                 return  # inside a torch.compile trace: record nothing, break no graph
             w = ref()
             if w is not None and not w._closed:
@@ -531,6 +559,8 @@ class Watcher:
             return next((w for w in scope if key is not None and key in w.ledger.tracked), self)
 
         for h in report.hazards:
+            if h.key is None and not SAVED_INTROSPECTION:
+                _match_ledger(h, scope)
             if h.key is not None:
                 exact = list(h.modified_by)  # strict mode's records name the writes
                 tracker(h.key).ledger.blame(h, h.key)

@@ -1,0 +1,142 @@
+"""What the running torch can do: the one place where torch versions differ.
+
+Every difference is a probe of a feature, read once at import, never a version
+string. The rest of versionwatch asks these names and takes another route
+where a feature is missing:
+
+- ``SAVED_INTROSPECTION``: a raw saved tensor (``grad_fn._raw_saved_*``) shows
+  its unpack hook and its data. Without it (torch 2.4 and 2.6 have only
+  ``register_hooks``), reading a saved tensor is the only way to learn whether
+  it carries hooks, and reading a hooked one would run the hook: user code, or
+  a non-reentrant checkpoint's recomputation. :func:`peek` reads it with a trap
+  that stops any Python hook before its first line runs.
+- ``SAVED_UNPACK``: a raw saved tensor unpacks alone (``raw.unpack()``), so
+  each element of a saved list is checked by itself; without it (2.10) the
+  list is checked as a whole and a failure placed by its data.
+- ``USER_FN_ATTR``: the method of ``BackwardCFunction`` that a custom
+  Function's backward goes through (``_get_user_fn`` on new torch, ``apply``
+  on old), which the predictor swaps to refuse running user code.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import CodeType, FrameType
+from typing import Any, Callable
+
+import torch
+from torch.autograd.function import BackwardCFunction
+
+SavedTensor: Any = torch._C._autograd.SavedTensor
+
+SAVED_INTROSPECTION: bool = hasattr(SavedTensor, "unpack_hook") and hasattr(SavedTensor, "data")
+"""A raw saved tensor shows its unpack hook and data (else :func:`peek` reads it)."""
+
+SAVED_UNPACK: bool = hasattr(SavedTensor, "unpack")
+"""A raw saved tensor can be unpacked (checked) alone, without its node."""
+
+USER_FN_ATTR: str = "_get_user_fn" if hasattr(BackwardCFunction, "_get_user_fn") else "apply"
+"""``BackwardCFunction``'s method that every custom backward call goes through."""
+
+storage_address: Callable[[torch.Tensor], int] | None = getattr(
+    torch._C, "_storage_address", None)
+"""A storage's identity without building a storage object, where torch has it."""
+
+
+def _is_compiling_fallback() -> bool:
+    return False
+
+
+is_compiling: Callable[[], bool] = getattr(
+    getattr(torch, "compiler", None), "is_compiling", _is_compiling_fallback)
+"""Whether dynamo is tracing the caller (our hooks stay out of traces)."""
+
+
+UNREAD = object()
+"""What :func:`peek` returns when strict's records came back but the value did not."""
+
+
+def zero_grads(fn: Any) -> list[torch.Tensor]:
+    """Zero gradients to call ``fn`` (a node) with, shaped as backward would pass them.
+
+    Old torch shows no ``_input_metadata``; then a 0-d zero stands in, which
+    CopySlices (the only node called this way) broadcasts into its base.
+    """
+    metas = getattr(fn, "_input_metadata", None)
+    if metas is None:
+        return [torch.zeros(())]
+    return [torch.zeros(m.shape, dtype=m.dtype, device=m.device) for m in metas]
+
+
+def input_metadata(fn: Any) -> Any:
+    """The metadata of ``fn``'s first input (its gradient), or None where torch hides it."""
+    metas = getattr(fn, "_input_metadata", None)
+    return metas[0] if metas else None
+
+
+class HookedSaved(Exception):
+    """A saved tensor's unpack hook was about to run inside :func:`peek`."""
+
+
+class _Peek(threading.local):
+    active = False
+    records: list[Any] | None = None
+
+
+PEEK = _Peek()
+_ALLOWED: set[CodeType] = set()
+
+
+def allow_in_peek(fn: Callable[..., Any]) -> None:
+    """Let ``fn`` (our own unpack hook) run inside :func:`peek`; it reads ``PEEK``."""
+    _ALLOWED.add(fn.__code__)
+
+
+def _trap(frame: FrameType, event: str, arg: Any) -> None:
+    if event == "call" and PEEK.active and frame.f_code not in _ALLOWED:
+        PEEK.active = False
+        raise HookedSaved
+
+
+def peek(owner: Any, attr: str) -> tuple[Any, list[Any]]:
+    """Read ``getattr(owner, attr)`` (a saved-tensor getter) with every Python call refused.
+
+    Returns what it read and the strict records that strict mode's own
+    unpack hook handed over instead of checking them. A getter of a saved
+    tensor without hooks runs PyTorch's version check in C++ and calls no
+    Python; one with hooks calls its unpack hook, and the trap raises
+    :class:`HookedSaved` before the hook's first line (PyTorch has changed
+    nothing by then). A ``RuntimeError`` is PyTorch's own verdict.
+
+    Raises:
+        HookedSaved: the getter was about to run Python code (a hook).
+        RuntimeError: PyTorch's check failed (stale or freed).
+    """
+    previous = sys.getprofile()
+    if previous is not None and not callable(previous):
+        # A C profiler (cProfile before Python 3.12) cannot be set back once
+        # replaced: without the trap, reading could run a hook.
+        raise HookedSaved
+    records: list[Any] = []
+    PEEK.records = records
+    PEEK.active = True
+    # A user's dispatch mode or tensor subclass would see the unpacked tensors
+    # come back (PyTorch's own unpack makes aliases); a read is not an op.
+    no_dispatch = torch._C._DisableTorchDispatch()
+    no_dispatch.__enter__()  # type: ignore[no-untyped-call]
+    sys.setprofile(_trap)
+    try:
+        # getattr is C: the trap sees the getter's Python callees, not the call.
+        return getattr(owner, attr), records
+    except HookedSaved:
+        if records:
+            # Our own hook ran first; a user's dispatch mode saw the tensors
+            # come back: the records are what a check needs.
+            return UNREAD, records
+        raise
+    finally:
+        sys.setprofile(previous)  # a Python profiler misses only this read
+        no_dispatch.__exit__(None, None, None)
+        PEEK.active = False
+        PEEK.records = None

@@ -1,0 +1,95 @@
+"""Run the demo and the test suite on several torch releases, a fresh venv each.
+
+Usage::
+
+    python tools/torch_matrix.py                 # every release of MATRIX
+    python tools/torch_matrix.py 2.4.1 2.13.0    # chosen releases
+    python tools/torch_matrix.py 2.4.1 -- tests/test_scenarios.py -x   # pytest args
+
+Venvs live in ``.matrix/torch-<version>/`` and are reused: a release is
+installed once (only 2.13.0 has a CPU wheel on these machines' disk; every other
+release comes from the package registry as a CUDA build, about 5 GB with its
+``nvidia-*`` packages, which runs on the CPU). The machine's pip cap on torch is
+lifted for these installs only (``PIP_CONFIG_FILE=/dev/null``). The exit status
+is non-zero if any demo or suite failed; the table goes to stdout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MATRIX = ["2.4.1", "2.6.0", "2.10.0", "2.13.0", "2.15.0"]
+FLOOR = MATRIX[0]
+SUMMARY = re.compile(r"=+ (.*) in [\d.]+s")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PIP_CONFIG_FILE"] = "/dev/null"  # the machine's cap (torch<=2.14.1) is not ours
+    env.pop("PIP_CONSTRAINT", None)
+    return env
+
+
+def venv(version: str) -> Path:
+    """The venv for ``version``, made and installed once."""
+    path = ROOT / ".matrix" / f"torch-{version}"
+    python = path / "bin" / "python"
+    stamp = path / "installed"
+    if stamp.exists():
+        return python
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(path)], check=True)
+    constraints = path / "constraints.txt"
+    # numpy 2.3 dropped the ABI that torch < 2.5 was built against.
+    constraints.write_text(f"torch=={version}\nnumpy<2.3\n", encoding="utf-8")
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "-c", str(constraints), "-e", f"{ROOT}[dev]"],
+        check=True, env=_env(),
+    )
+    stamp.write_text(version, encoding="utf-8")
+    return python
+
+
+def run(version: str, pytest_args: list[str]) -> tuple[str, str, str, float]:
+    start = time.monotonic()
+    python = venv(version)
+    installed = time.monotonic() - start
+    demo = subprocess.run([str(python), "-m", "versionwatch", "demo"], cwd=ROOT,
+                          capture_output=True, text=True)
+    start = time.monotonic()
+    suite = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            *pytest_args], cwd=ROOT, capture_output=True, text=True)
+    took = time.monotonic() - start
+    log = ROOT / ".matrix" / f"torch-{version}.log"
+    log.write_text(suite.stdout + suite.stderr, encoding="utf-8")
+    found = SUMMARY.findall(suite.stdout)
+    summary = found[-1] if found else f"pytest exit {suite.returncode}"
+    ok_demo = "ok" if demo.returncode == 0 and "model.w3" in demo.stdout else "FAILED"
+    if suite.returncode != 0:
+        summary += f" (exit {suite.returncode}; log: {log.relative_to(ROOT)})"
+    print(f"  torch {version}: venv ready in {installed:.0f}s", file=sys.stderr)
+    return version, ok_demo, summary, took
+
+
+def main(argv: list[str]) -> int:
+    pytest_args: list[str] = []
+    if "--" in argv:
+        k = argv.index("--")
+        argv, pytest_args = argv[:k], argv[k + 1:]
+    versions = argv or MATRIX
+    rows = [run(v, pytest_args) for v in versions]
+    print("| torch | demo | suite | time |")
+    print("|---|---|---|---:|")
+    for version, demo, summary, took in rows:
+        print(f"| {version} | {demo} | {summary} | {took:.0f} s |")
+    failed = any(d != "ok" or "failed" in s or "exit" in s for _, d, s, _ in rows)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
