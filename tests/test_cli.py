@@ -58,6 +58,12 @@ def vw(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
+def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The plain run that a watched one must match."""
+    return subprocess.run([sys.executable, *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_hazard_exits_1_with_explanation_and_json(tmp_path: Path):
     (tmp_path / "train.py").write_text(SEED)
     r = vw("run", "--json", "out.json", "--dot", "out.dot", "train.py", cwd=tmp_path)
@@ -250,3 +256,40 @@ def test_torch_multiprocessing_spawn_and_systemexit_json(tmp_path: Path):
     assert "got 2.0" in r.stdout
     doc = json.loads((tmp_path / "o.json").read_text())
     assert doc["exit_status"] == 4 and doc["exception"] is None and doc["ok"] is True
+
+
+ARGV = textwrap.dedent("""\
+    import os, sys
+    print(sys.argv, os.listdir("."))
+    if "--exit" in sys.argv:
+        code = sys.argv[sys.argv.index("--exit") + 1]
+        sys.exit(int(code) if code.isdigit() else code)
+""")
+
+
+def test_options_after_module_belong_to_it(tmp_path: Path):
+    # `-m pkg.train --json cfg.json` overwrote the program's cfg.json with the report.
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "train.py").write_text(ARGV)
+    (tmp_path / "cfg.json").write_text('{"lr": 1}')
+    args = ("-m", "pkg.train", "--json", "cfg.json", "--lr", "0.1", "--exit", "bad config")
+    plain = python(*args, cwd=tmp_path)
+    assert plain.returncode == 1 and str(tmp_path / "pkg" / "train.py") in plain.stdout
+    r = vw("run", "--quiet", "--json", "vw.json", *args, cwd=tmp_path)
+    assert (r.returncode, r.stdout, r.stderr) == (1, plain.stdout, plain.stderr)
+    assert (tmp_path / "cfg.json").read_text() == '{"lr": 1}'
+    doc = json.loads((tmp_path / "vw.json").read_text())
+    assert (doc["target"], doc["exit_status"]) == ("pkg.train", 1)
+
+
+@pytest.mark.parametrize("own", [["--"], ["--quiet"]])
+def test_options_after_script_belong_to_it(own: list[str], tmp_path: Path):
+    # `--` ends versionwatch's options, as it ends python's.
+    (tmp_path / "s.py").write_text(ARGV)
+    args = ("s.py", "--json", "x.json", "--quiet", "-h", "--", "-m", "y", "--exit", "3")
+    plain = python(*args, cwd=tmp_path)
+    assert plain.returncode == 3 and "'--json', 'x.json'" in plain.stdout
+    r = vw("run", *own, *args, cwd=tmp_path)
+    assert (r.returncode, r.stdout) == (3, plain.stdout), r.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
         help="run a script or module with every nn.Module and optimizer watched",
         description="Run SCRIPT (or -m MODULE) as __main__ with every nn.Module and optimizer "
         "it creates watched; no code change. The exit status is the script's own.",
+        epilog="versionwatch's options go before SCRIPT or -m MODULE: everything after it "
+        "belongs to the program, as with python. `--` ends versionwatch's options: "
+        "`versionwatch run -- train.py --json x` passes `--json x` to train.py.",
     )
     run.add_argument("--on-hazard", choices=("raise", "warn", "log"), default="raise",
                      help="what a predicted hazard does (default: raise, exit status 1)")
@@ -183,9 +186,50 @@ def _summary(watcher: Any, err: BaseException | None) -> None:
               file=sys.stderr)
 
 
+def _split_run(argv: Sequence[str], parser: argparse.ArgumentParser,
+               ) -> tuple[list[str], str | None, list[str]]:
+    """``run``'s own options, the module of ``-m``, and the program's ``SCRIPT ARGS...``.
+
+    argparse would take options meant for the program wherever they stand (``-m pkg
+    --json cfg.json`` overwrote the program's config), so the first ``SCRIPT``, ``-m
+    MODULE`` or ``--`` ends our options here, as it ends python's.
+    """
+    run = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    valued = {o for a in run.choices["run"]._actions if a.nargs != 0 for o in a.option_strings
+              if o.startswith("--")}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return list(argv[:i]), None, list(argv[i + 1:])
+        if arg == "-m":
+            # A missing MODULE is left to argparse, which says that -m needs one.
+            if i + 1 == len(argv):
+                return list(argv), None, []
+            return list(argv[:i]), argv[i + 1], list(argv[i + 2:])
+        if arg.startswith("-m") and not arg.startswith("--"):
+            return list(argv[:i]), arg[2:], list(argv[i + 1:])
+        if not arg.startswith("-") or arg == "-":
+            return list(argv[:i]), None, list(argv[i:])
+        # An option's value may look like a script (`--json out.json`); argparse
+        # takes any unambiguous prefix of a long option (`--js out.json`).
+        matches = [o for o in valued if o.startswith(arg)]
+        i += 2 if "=" not in arg and (arg in valued or len(matches) == 1) else 1
+    return list(argv), None, []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``versionwatch`` console script and ``python -m versionwatch``."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        own, module, target = _split_run(argv[1:], parser)
+        args = parser.parse_args(["run", *own])
+        if module is not None:
+            args.module = module
+        args.target = target
+    else:
+        args = parser.parse_args(argv)
     if args.command == "demo":
         from versionwatch._demo import main as demo
 
