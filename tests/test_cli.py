@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -64,6 +65,14 @@ def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
+def run_console(console: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``versionwatch ...`` through its console script, when it is installed."""
+    if not console.exists():
+        pytest.skip(f"no console script at {console}")
+    return subprocess.run([str(console), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_hazard_exits_1_with_explanation_and_json(tmp_path: Path):
     (tmp_path / "train.py").write_text(SEED)
     r = vw("run", "--json", "out.json", "--dot", "out.dot", "train.py", cwd=tmp_path)
@@ -106,6 +115,7 @@ def test_clean_run_keeps_exit_status_and_argv(tmp_path: Path):
     """))
     r = vw("run", "pkg/main.py", "--flag", "x", cwd=tmp_path)
     assert r.returncode == 3, r.stderr
+    assert r.stdout == python("pkg/main.py", "--flag", "x", cwd=tmp_path).stdout
     assert "['pkg/main.py', '--flag', 'x'] 7" in r.stdout
     assert "1 backward(s) watched, no hazard" in r.stderr
 
@@ -168,16 +178,39 @@ def test_warn_policy_lets_pytorch_raise_with_a_note(tmp_path: Path):
 
 
 def test_json_written_when_the_script_dies(tmp_path: Path):
-    (tmp_path / "boom.py").write_text("raise KeyboardInterrupt\n")
-    r = vw("run", "--json", "o.json", "boom.py", cwd=tmp_path)
-    assert r.returncode == 130
-    assert json.loads((tmp_path / "o.json").read_text())["exception"] == "KeyboardInterrupt: "
-    (tmp_path / "err.py").write_text("import torch\nraise ValueError('bad data')\n")
-    r = vw("run", "--json", "o.json", "err.py", cwd=tmp_path)
-    assert r.returncode == 1 and "ValueError: bad data" in r.stderr
-    assert 'File "err.py", line 2' in r.stderr and "_cli.py" not in r.stderr
+    # Python hands an uncaught exception to sys.excepthook, which a script may replace
+    # (rich, a logger); the traceback it gets starts at the script's frames.
+    (tmp_path / "err.py").write_text(textwrap.dedent("""\
+        import sys, traceback
+        import torch
+        def hook(tp, value, tb):
+            print("hooked", tp.__name__, [f.name for f in traceback.extract_tb(tb)])
+        sys.excepthook = hook
+        def load():
+            raise ValueError("bad data")
+        load()
+    """))
+    plain = python("err.py", cwd=tmp_path)
+    assert plain.stdout == "hooked ValueError ['<module>', 'load']\n"
+    r = vw("run", "--quiet", "--json", "o.json", "err.py", cwd=tmp_path)
+    assert (r.returncode, r.stdout, r.stderr) == (1, plain.stdout, plain.stderr)
     doc = json.loads((tmp_path / "o.json").read_text())
-    assert doc["exit_status"] == 1 and doc["hazards"] == []
+    assert (doc["exit_status"], doc["exception"]) == (1, "ValueError: bad data")
+    assert doc["hazards"] == []
+
+
+def test_keyboard_interrupt_exits_as_python_does(tmp_path: Path):
+    # Python ends by SIGINT after an uncaught KeyboardInterrupt (a shell sees 130),
+    # so a calling shell or loop knows it was interrupted.
+    (tmp_path / "boom.py").write_text("def f():\n    raise KeyboardInterrupt\nf()\n")
+    plain = python("boom.py", cwd=tmp_path)
+    assert plain.returncode == -signal.SIGINT
+    console = Path(sys.executable).with_name("versionwatch")
+    for r in (vw("run", "--quiet", "--json", "o.json", "boom.py", cwd=tmp_path),
+              run_console(console, "run", "--quiet", "boom.py", cwd=tmp_path)):
+        assert (r.returncode, r.stdout, r.stderr) == (plain.returncode, "", plain.stderr)
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert (doc["exit_status"], doc["exception"]) == (130, "KeyboardInterrupt: ")
 
 
 def test_missing_script(tmp_path: Path):
@@ -293,3 +326,5 @@ def test_options_after_script_belong_to_it(own: list[str], tmp_path: Path):
     r = vw("run", *own, *args, cwd=tmp_path)
     assert (r.returncode, r.stdout) == (3, plain.stdout), r.stderr
     assert not (tmp_path / "x.json").exists()
+
+
