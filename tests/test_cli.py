@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -54,8 +55,9 @@ STEP1 = line_of(SEED, "optim.step()")
 BACKWARD2 = line_of(SEED, "loss2.backward()")
 
 
-def vw(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "versionwatch", *args], cwd=cwd,
+def vw(*args: str, cwd: Path, env: dict[str, str] | None = None,
+       ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "versionwatch", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -327,4 +329,33 @@ def test_options_after_script_belong_to_it(own: list[str], tmp_path: Path):
     assert (r.returncode, r.stdout) == (3, plain.stdout), r.stderr
     assert not (tmp_path / "x.json").exists()
 
+
+def test_unwritable_outputs_keep_the_programs_exit_status(tmp_path: Path):
+    (tmp_path / "s.py").write_text(textwrap.dedent("""\
+        import torch
+        def load():
+            try:
+                open("missing.csv")
+            except OSError as e:
+                raise RuntimeError("no data") from e
+        print("started")
+        load()
+    """))
+    # A `dot` that fails to write its output, as Graphviz's does for a missing folder.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dot").write_text('#!/bin/sh\ncat > "$3"\n')
+    (bin_dir / "dot").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    plain = python("s.py", cwd=tmp_path)
+    assert plain.returncode == 1 and "The above exception was the direct cause" in plain.stderr
+    r = vw("run", "--quiet", "--json", "no/vw.json", "--dot", "no/vw.dot", "--svg", "no/vw.svg",
+           "s.py", cwd=tmp_path, env=env)
+    assert (r.returncode, r.stdout) == (1, plain.stdout)
+    # The program's traceback as Python prints it, then one line per output.
+    assert r.stderr.startswith(plain.stderr), r.stderr
+    errors = r.stderr[len(plain.stderr):].splitlines()
+    assert [e.split(": ")[:3] for e in errors] == [
+        ["versionwatch", "error", f"cannot write {o} no/vw.{o[2:]}"]
+        for o in ("--json", "--dot", "--svg")], errors
 

@@ -136,22 +136,45 @@ def _write_outputs(args: argparse.Namespace, watcher: Any, status: int,
             "exit_status": status,
             "exception": None if err is None else f"{type(err).__name__}: {err}",
         }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        _write_file("--json", args.json, json.dumps(doc, indent=2) + "\n")
     if args.dot or args.svg:
         merged = Report(hazards=[h for r in reports for h in r.hazards])
         dot = merged.to_dot()
         if args.dot:
-            with open(args.dot, "w", encoding="utf-8") as f:
-                f.write(dot)
+            _write_file("--dot", args.dot, dot)
         if args.svg:
             exe = shutil.which("dot")
             if exe is None:
                 print("versionwatch: --svg needs Graphviz's `dot` program; it is not installed "
                       "(the DOT text is still available with --dot)", file=sys.stderr)
             else:
-                subprocess.run([exe, "-Tsvg", "-o", args.svg], input=dot.encode(), check=True)
+                _render_svg(exe, args.svg, dot)
+
+
+def _render_svg(exe: str, path: str, dot: str) -> None:
+    try:
+        done = subprocess.run([exe, "-Tsvg", "-o", path], input=dot.encode(),
+                              stderr=subprocess.PIPE)
+    except OSError as e:
+        _output_error("--svg", path, e.strerror or str(e))
+        return
+    if done.returncode != 0:
+        said = done.stderr.decode(errors="replace").strip().splitlines()
+        _output_error("--svg", path,
+                      said[-1] if said else f"`dot` exited with status {done.returncode}")
+
+
+def _write_file(option: str, path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        _output_error(option, path, e.strerror or str(e))
+
+
+def _output_error(option: str, path: str, problem: str) -> None:
+    # One line, and the exit status stays the program's: the run itself went as it went.
+    print(f"versionwatch: error: cannot write {option} {path}: {problem}", file=sys.stderr)
 
 
 def _run_script(path: str) -> None:
