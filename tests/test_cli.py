@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -53,8 +55,23 @@ STEP1 = line_of(SEED, "optim.step()")
 BACKWARD2 = line_of(SEED, "loss2.backward()")
 
 
-def vw(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "versionwatch", *args], cwd=cwd,
+def vw(*args: str, cwd: Path, env: dict[str, str] | None = None,
+       ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "versionwatch", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The plain run that a watched one must match."""
+    return subprocess.run([sys.executable, *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def run_console(console: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``versionwatch ...`` through its console script, when it is installed."""
+    if not console.exists():
+        pytest.skip(f"no console script at {console}")
+    return subprocess.run([str(console), *args], cwd=cwd,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -100,6 +117,7 @@ def test_clean_run_keeps_exit_status_and_argv(tmp_path: Path):
     """))
     r = vw("run", "pkg/main.py", "--flag", "x", cwd=tmp_path)
     assert r.returncode == 3, r.stderr
+    assert r.stdout == python("pkg/main.py", "--flag", "x", cwd=tmp_path).stdout
     assert "['pkg/main.py', '--flag', 'x'] 7" in r.stdout
     assert "1 backward(s) watched, no hazard" in r.stderr
 
@@ -162,16 +180,39 @@ def test_warn_policy_lets_pytorch_raise_with_a_note(tmp_path: Path):
 
 
 def test_json_written_when_the_script_dies(tmp_path: Path):
-    (tmp_path / "boom.py").write_text("raise KeyboardInterrupt\n")
-    r = vw("run", "--json", "o.json", "boom.py", cwd=tmp_path)
-    assert r.returncode == 130
-    assert json.loads((tmp_path / "o.json").read_text())["exception"] == "KeyboardInterrupt: "
-    (tmp_path / "err.py").write_text("import torch\nraise ValueError('bad data')\n")
-    r = vw("run", "--json", "o.json", "err.py", cwd=tmp_path)
-    assert r.returncode == 1 and "ValueError: bad data" in r.stderr
-    assert 'File "err.py", line 2' in r.stderr and "_cli.py" not in r.stderr
+    # Python hands an uncaught exception to sys.excepthook, which a script may replace
+    # (rich, a logger); the traceback it gets starts at the script's frames.
+    (tmp_path / "err.py").write_text(textwrap.dedent("""\
+        import sys, traceback
+        import torch
+        def hook(tp, value, tb):
+            print("hooked", tp.__name__, [f.name for f in traceback.extract_tb(tb)])
+        sys.excepthook = hook
+        def load():
+            raise ValueError("bad data")
+        load()
+    """))
+    plain = python("err.py", cwd=tmp_path)
+    assert plain.stdout == "hooked ValueError ['<module>', 'load']\n"
+    r = vw("run", "--quiet", "--json", "o.json", "err.py", cwd=tmp_path)
+    assert (r.returncode, r.stdout, r.stderr) == (1, plain.stdout, plain.stderr)
     doc = json.loads((tmp_path / "o.json").read_text())
-    assert doc["exit_status"] == 1 and doc["hazards"] == []
+    assert (doc["exit_status"], doc["exception"]) == (1, "ValueError: bad data")
+    assert doc["hazards"] == []
+
+
+def test_keyboard_interrupt_exits_as_python_does(tmp_path: Path):
+    # Python ends by SIGINT after an uncaught KeyboardInterrupt (a shell sees 130),
+    # so a calling shell or loop knows it was interrupted.
+    (tmp_path / "boom.py").write_text("def f():\n    raise KeyboardInterrupt\nf()\n")
+    plain = python("boom.py", cwd=tmp_path)
+    assert plain.returncode == -signal.SIGINT
+    console = Path(sys.executable).with_name("versionwatch")
+    for r in (vw("run", "--quiet", "--json", "o.json", "boom.py", cwd=tmp_path),
+              run_console(console, "run", "--quiet", "boom.py", cwd=tmp_path)):
+        assert (r.returncode, r.stdout, r.stderr) == (plain.returncode, "", plain.stderr)
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert (doc["exit_status"], doc["exception"]) == (130, "KeyboardInterrupt: ")
 
 
 def test_missing_script(tmp_path: Path):
@@ -250,3 +291,71 @@ def test_torch_multiprocessing_spawn_and_systemexit_json(tmp_path: Path):
     assert "got 2.0" in r.stdout
     doc = json.loads((tmp_path / "o.json").read_text())
     assert doc["exit_status"] == 4 and doc["exception"] is None and doc["ok"] is True
+
+
+ARGV = textwrap.dedent("""\
+    import os, sys
+    print(sys.argv, os.listdir("."))
+    if "--exit" in sys.argv:
+        code = sys.argv[sys.argv.index("--exit") + 1]
+        sys.exit(int(code) if code.isdigit() else code)
+""")
+
+
+def test_options_after_module_belong_to_it(tmp_path: Path):
+    # `-m pkg.train --json cfg.json` overwrote the program's cfg.json with the report.
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "train.py").write_text(ARGV)
+    (tmp_path / "cfg.json").write_text('{"lr": 1}')
+    args = ("-m", "pkg.train", "--json", "cfg.json", "--lr", "0.1", "--exit", "bad config")
+    plain = python(*args, cwd=tmp_path)
+    assert plain.returncode == 1 and str(tmp_path / "pkg" / "train.py") in plain.stdout
+    r = vw("run", "--quiet", "--json", "vw.json", *args, cwd=tmp_path)
+    assert (r.returncode, r.stdout, r.stderr) == (1, plain.stdout, plain.stderr)
+    assert (tmp_path / "cfg.json").read_text() == '{"lr": 1}'
+    doc = json.loads((tmp_path / "vw.json").read_text())
+    assert (doc["target"], doc["exit_status"]) == ("pkg.train", 1)
+
+
+@pytest.mark.parametrize("own", [["--"], ["--quiet"]])
+def test_options_after_script_belong_to_it(own: list[str], tmp_path: Path):
+    # `--` ends versionwatch's options, as it ends python's.
+    (tmp_path / "s.py").write_text(ARGV)
+    args = ("s.py", "--json", "x.json", "--quiet", "-h", "--", "-m", "y", "--exit", "3")
+    plain = python(*args, cwd=tmp_path)
+    assert plain.returncode == 3 and "'--json', 'x.json'" in plain.stdout
+    r = vw("run", *own, *args, cwd=tmp_path)
+    assert (r.returncode, r.stdout) == (3, plain.stdout), r.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_unwritable_outputs_keep_the_programs_exit_status(tmp_path: Path):
+    (tmp_path / "s.py").write_text(textwrap.dedent("""\
+        import torch
+        def load():
+            try:
+                open("missing.csv")
+            except OSError as e:
+                raise RuntimeError("no data") from e
+        print("started")
+        load()
+    """))
+    # A `dot` that fails to write its output, as Graphviz's does for a missing folder.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dot").write_text('#!/bin/sh\ncat > "$3"\n')
+    (bin_dir / "dot").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    plain = python("s.py", cwd=tmp_path)
+    assert plain.returncode == 1 and "The above exception was the direct cause" in plain.stderr
+    r = vw("run", "--quiet", "--json", "no/vw.json", "--dot", "no/vw.dot", "--svg", "no/vw.svg",
+           "s.py", cwd=tmp_path, env=env)
+    assert (r.returncode, r.stdout) == (1, plain.stdout)
+    # The program's traceback as Python prints it, then one line per output.
+    assert r.stderr.startswith(plain.stderr), r.stderr
+    errors = r.stderr[len(plain.stderr):].splitlines()
+    assert [e.split(": ")[:3] for e in errors] == [
+        ["versionwatch", "error", f"cannot write {o} no/vw.{o[2:]}"]
+        for o in ("--json", "--dot", "--svg")], errors
+

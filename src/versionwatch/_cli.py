@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import builtins
+import io
 import json
 import os
+import pkgutil
 import runpy
 import shutil
 import subprocess
 import sys
-import traceback
 from collections.abc import Sequence
-from typing import Any
+from importlib.machinery import SourceFileLoader
+from types import ModuleType, TracebackType
+from typing import Any, NoReturn
 
 USAGE = """\
 versionwatch run [--on-hazard raise|warn|log] [--json PATH] [--dot PATH] [--svg PATH]
@@ -30,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
         help="run a script or module with every nn.Module and optimizer watched",
         description="Run SCRIPT (or -m MODULE) as __main__ with every nn.Module and optimizer "
         "it creates watched; no code change. The exit status is the script's own.",
+        epilog="versionwatch's options go before SCRIPT or -m MODULE: everything after it "
+        "belongs to the program, as with python. `--` ends versionwatch's options: "
+        "`versionwatch run -- train.py --json x` passes `--json x` to train.py.",
     )
     run.add_argument("--on-hazard", choices=("raise", "warn", "log"), default="raise",
                      help="what a predicted hazard does (default: raise, exit status 1)")
@@ -51,25 +58,57 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _short_traceback(err: BaseException) -> str:
-    """The traceback of the user's code: runpy's and the CLI's own frames dropped.
+def _print_uncaught(err: BaseException) -> None:
+    """Print ``err`` as Python prints an uncaught exception: with ``sys.excepthook``.
 
-    For versionwatch's own errors the torch and versionwatch frames between the
-    user's backward call and the raise are dropped too.
+    runpy's and the CLI's own frames are dropped from its traceback; for
+    versionwatch's own errors the torch and versionwatch frames between the user's
+    backward call and the raise are dropped too.
     """
     from versionwatch._errors import FreedGraphError, InplaceModificationError
     from versionwatch._sites import is_library
 
     ours = isinstance(err, (InplaceModificationError, FreedGraphError))
-    frames = [
-        f for f in traceback.extract_tb(err.__traceback__)
-        if not (f.filename.endswith("runpy.py") or "<frozen runpy>" in f.filename
-                or os.path.abspath(f.filename) == os.path.abspath(__file__)
-                or (ours and is_library(f.filename)))
-    ]
-    head = "Traceback (most recent call last):\n" if frames else ""
-    body = "".join(traceback.format_list(frames))
-    return head + body + "".join(traceback.format_exception_only(type(err), err))
+    kept = []
+    tb = err.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not (name.endswith("runpy.py") or "<frozen runpy>" in name
+                or os.path.abspath(name) == os.path.abspath(__file__)
+                or (ours and is_library(name))):
+            kept.append(tb)
+        tb = tb.tb_next
+    user_tb: TracebackType | None = None
+    for t in reversed(kept):
+        user_tb = TracebackType(user_tb, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    # Python's own hook prints the exception's __traceback__, not its argument.
+    err = err.with_traceback(user_tb)
+    try:
+        sys.excepthook(type(err), err, user_tb)
+    except Exception as hook_err:  # the script's own hook failed: as Python reports it
+        print("Error in sys.excepthook:", file=sys.stderr)
+        hook_err.__context__ = None
+        hook_tb = hook_err.__traceback__.tb_next if hook_err.__traceback__ else None
+        sys.__excepthook__(type(hook_err), hook_err.with_traceback(hook_tb), hook_tb)
+        print("\nOriginal exception was:", file=sys.stderr)
+        sys.__excepthook__(type(err), err, user_tb)
+
+
+def _exit_interrupted(err: KeyboardInterrupt) -> NoReturn:
+    """Let ``err`` end the process, so that Python exits by SIGINT as it would.
+
+    Its traceback is printed already, so the hook that Python calls for it prints
+    nothing, once.
+    """
+    previous = sys.excepthook
+
+    def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        sys.excepthook = previous
+        if value is not err:
+            previous(tp, value, tb)
+
+    sys.excepthook = hook
+    raise err
 
 
 def _write_outputs(args: argparse.Namespace, watcher: Any, status: int,
@@ -97,29 +136,85 @@ def _write_outputs(args: argparse.Namespace, watcher: Any, status: int,
             "exit_status": status,
             "exception": None if err is None else f"{type(err).__name__}: {err}",
         }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        _write_file("--json", args.json, json.dumps(doc, indent=2) + "\n")
     if args.dot or args.svg:
         merged = Report(hazards=[h for r in reports for h in r.hazards])
         dot = merged.to_dot()
         if args.dot:
-            with open(args.dot, "w", encoding="utf-8") as f:
-                f.write(dot)
+            _write_file("--dot", args.dot, dot)
         if args.svg:
             exe = shutil.which("dot")
             if exe is None:
                 print("versionwatch: --svg needs Graphviz's `dot` program; it is not installed "
                       "(the DOT text is still available with --dot)", file=sys.stderr)
             else:
-                subprocess.run([exe, "-Tsvg", "-o", args.svg], input=dot.encode(), check=True)
+                _render_svg(exe, args.svg, dot)
+
+
+def _render_svg(exe: str, path: str, dot: str) -> None:
+    try:
+        done = subprocess.run([exe, "-Tsvg", "-o", path], input=dot.encode(),
+                              stderr=subprocess.PIPE)
+    except OSError as e:
+        _output_error("--svg", path, e.strerror or str(e))
+        return
+    if done.returncode != 0:
+        said = done.stderr.decode(errors="replace").strip().splitlines()
+        _output_error("--svg", path,
+                      said[-1] if said else f"`dot` exited with status {done.returncode}")
+
+
+def _write_file(option: str, path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        _output_error(option, path, e.strerror or str(e))
+
+
+def _output_error(option: str, path: str, problem: str) -> None:
+    # One line, and the exit status stays the program's: the run itself went as it went.
+    print(f"versionwatch: error: cannot write {option} {path}: {problem}", file=sys.stderr)
+
+
+def _run_script(path: str) -> None:
+    """Run the file at ``path`` as ``python path`` runs it.
+
+    runpy.run_path would set both ``sys.argv[0]`` and ``__file__`` to ``path``;
+    Python leaves ``sys.argv[0]`` as typed but makes ``__file__``, and so the paths
+    of a traceback, absolute.
+    """
+    filename = os.path.join(os.getcwd(), path)
+    if pkgutil.get_importer(filename) is not None:  # a folder or zip with __main__.py
+        runpy.run_path(path, run_name="__main__")
+        return
+    with io.open_code(filename) as f:
+        code = pkgutil.read_code(f)  # a .pyc
+    if code is None:
+        with io.open_code(filename) as f:
+            # Not this module's `from __future__ import annotations`.
+            code = compile(f.read(), filename, "exec", dont_inherit=True)
+    main = ModuleType("__main__")
+    main.__dict__.update(__file__=filename, __cached__=None, __package__=None, __spec__=None,
+                         __loader__=SourceFileLoader("__main__", filename),
+                         __builtins__=builtins)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is None:
+            del sys.modules["__main__"]
+        else:
+            sys.modules["__main__"] = saved
 
 
 def _run(args: argparse.Namespace) -> int:
     import versionwatch
 
     if args.module:
-        argv = [args.module, *args.target]
+        # As python -m: "-m" until runpy finds the module and puts its file there.
+        argv = ["-m", *args.target]
     elif args.target:
         argv = list(args.target)
     else:
@@ -133,7 +228,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.module:
         sys.path[0] = os.getcwd()
     else:
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        # As python: the script's folder, symlinks resolved.
+        sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
     status = 0
     err: BaseException | None = None
     watcher = versionwatch.watch_all(on_hazard=args.on_hazard, strict=args.strict,
@@ -142,18 +238,15 @@ def _run(args: argparse.Namespace) -> int:
         if args.module:
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
         else:
-            runpy.run_path(argv[0], run_name="__main__")
+            _run_script(argv[0])
     except SystemExit as e:
         code = e.code
         status = code if isinstance(code, int) else (0 if code is None else 1)
         if code is not None and not isinstance(code, int):
             print(code, file=sys.stderr)
-    except KeyboardInterrupt as e:
-        status, err = 130, e
-        print(_short_traceback(e), file=sys.stderr, end="")
     except BaseException as e:
-        status, err = 1, e
-        print(_short_traceback(e), file=sys.stderr, end="")
+        status, err = (130 if isinstance(e, KeyboardInterrupt) else 1), e
+        _print_uncaught(e)
     finally:
         watcher.close()
         sys.argv = saved_argv
@@ -162,6 +255,8 @@ def _run(args: argparse.Namespace) -> int:
         _write_outputs(args, watcher, status, err)
     if not args.quiet:
         _summary(watcher, err)
+    if isinstance(err, KeyboardInterrupt):
+        _exit_interrupted(err)
     return status
 
 
@@ -183,9 +278,50 @@ def _summary(watcher: Any, err: BaseException | None) -> None:
               file=sys.stderr)
 
 
+def _split_run(argv: Sequence[str], parser: argparse.ArgumentParser,
+               ) -> tuple[list[str], str | None, list[str]]:
+    """``run``'s own options, the module of ``-m``, and the program's ``SCRIPT ARGS...``.
+
+    argparse would take options meant for the program wherever they stand (``-m pkg
+    --json cfg.json`` overwrote the program's config), so the first ``SCRIPT``, ``-m
+    MODULE`` or ``--`` ends our options here, as it ends python's.
+    """
+    run = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    valued = {o for a in run.choices["run"]._actions if a.nargs != 0 for o in a.option_strings
+              if o.startswith("--")}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return list(argv[:i]), None, list(argv[i + 1:])
+        if arg == "-m":
+            # A missing MODULE is left to argparse, which says that -m needs one.
+            if i + 1 == len(argv):
+                return list(argv), None, []
+            return list(argv[:i]), argv[i + 1], list(argv[i + 2:])
+        if arg.startswith("-m") and not arg.startswith("--"):
+            return list(argv[:i]), arg[2:], list(argv[i + 1:])
+        if not arg.startswith("-") or arg == "-":
+            return list(argv[:i]), None, list(argv[i:])
+        # An option's value may look like a script (`--json out.json`); argparse
+        # takes any unambiguous prefix of a long option (`--js out.json`).
+        matches = [o for o in valued if o.startswith(arg)]
+        i += 2 if "=" not in arg and (arg in valued or len(matches) == 1) else 1
+    return list(argv), None, []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``versionwatch`` console script and ``python -m versionwatch``."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        own, module, target = _split_run(argv[1:], parser)
+        args = parser.parse_args(["run", *own])
+        if module is not None:
+            args.module = module
+        args.target = target
+    else:
+        args = parser.parse_args(argv)
     if args.command == "demo":
         from versionwatch._demo import main as demo
 
