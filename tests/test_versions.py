@@ -146,7 +146,7 @@ def test_a_stale_parameter_is_named() -> None:
     assert (h.tensor, h.view, h.shape) == ("fc.weight", True, (3, 3))
 
 
-def test_checks_under_a_c_profiler() -> None:
+def test_checks_under_a_c_profiler(caplog: pytest.LogCaptureFixture) -> None:
     import cProfile
 
     x = torch.ones(3, requires_grad=True)
@@ -166,6 +166,7 @@ def test_checks_under_a_c_profiler() -> None:
     else:
         assert cell("checks under a C profiler") == "not verified"
         assert r.ok and r.unverifiable == [("SigmoidBackward0", "result")]
+        assert "C profiler" in caplog.text  # said once, on the versionwatch logger
 
 
 def test_a_python_profiler_is_set_back() -> None:

@@ -20,6 +20,7 @@ where a feature is missing:
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from types import CodeType, FrameType
@@ -85,6 +86,7 @@ class _Peek(threading.local):
 
 
 PEEK = _Peek()
+_PROFILER_SAID = False
 _ALLOWED: set[CodeType] = set()
 
 
@@ -117,6 +119,13 @@ def peek(owner: Any, attr: str) -> tuple[Any, list[Any]]:
     if previous is not None and not callable(previous):
         # A C profiler (cProfile before Python 3.12) cannot be set back once
         # replaced: without the trap, reading could run a hook.
+        global _PROFILER_SAID
+        if not _PROFILER_SAID:
+            _PROFILER_SAID = True
+            logging.getLogger("versionwatch").warning(
+                "versionwatch: a C profiler (cProfile) runs on this thread, and this torch "
+                "hides which saved tensors have hooks: saved tensors are not verified while "
+                "it runs (see docs/versions.md)")
         raise HookedSaved
     records: list[Any] = []
     PEEK.records = records
