@@ -301,7 +301,7 @@ class _Checker:
             return
         h = Hazard(kind="silent", node=fn.name(), slot=slot, saved_version=data._version,
                    current_version=data._version, requires_grad=True)
-        h.shape, h.dtype, h.device = tuple(data.shape), _dtype(data), str(data.device)
+        h.shape, h.dtype, h.device = _shape(data), _dtype(data), str(data.device)
         self.hazards.append((i, len(self.hazards), h, data))
 
     def _sequence(self, i: int, fn: Node, slot: str, raws: Sequence[Any]) -> None:
@@ -384,7 +384,7 @@ class _Checker:
                 and fn.name().startswith(producer_m.group(1))),
         )
         if data is not None:
-            h.shape = tuple(data.shape)
+            h.shape = _shape(data)
             h.dtype = _dtype(data)
             h.device = str(data.device)
             h.requires_grad = data.requires_grad
@@ -395,6 +395,11 @@ class _Checker:
                 h.producer = None
                 h.requires_grad = True
         self.hazards.append((i, seq, h, data))
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The shape, or ``None`` for a nested tensor, whose parts have shapes of their own."""
+    return None if t.is_nested else tuple(t.shape)
 
 
 def _dtype(t: torch.Tensor) -> str:
