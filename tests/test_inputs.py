@@ -384,3 +384,25 @@ def test_watcher_sparse_and_mkldnn_inputs_give_pytorchs_gradients():
             with versionwatch.watch_all():
                 (watched,) = torch.autograd.grad(x.to_dense().sum(), x)
             assert torch.equal(plain.to_dense(), watched.to_dense())
+
+
+def test_backward_inside_a_functorch_transform():
+    seen = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = (x * x).sum()
+        seen.append((_outcome(lambda: versionwatch.assert_backward_safe(y)),
+                     _outcome(lambda: torch.autograd.backward(y))))
+        return y
+
+    torch.func.grad(f)(torch.ones(2))
+    (ours, real), = seen
+    assert ours == real and real[0] is RuntimeError and "functorch" in real[1]
+
+
+def test_nested_tensor_hazard_under_strict_mode_is_explained():
+    with versionwatch.watch_all(strict=True):
+        outputs, kw = _nested_stale()
+        with pytest.raises(versionwatch.InplaceModificationError) as info:
+            outputs.backward(kw["grad_outputs"])
+    assert info.value.report.hazards[0].shape is None

@@ -198,7 +198,8 @@ def bind(
         outs = _outputs(outputs)
         ins = _inputs(api, inputs)
     else:
-        if torch._C._are_functorch_transforms_active():
+        active = getattr(torch._C, "_are_functorch_transforms_active", None)
+        if active is not None and active():
             raise BadCall(RuntimeError(_FUNCTORCH))
         ins = _inputs(api, inputs)
         outs = _outputs(outputs)
@@ -232,6 +233,8 @@ def after_run(call: Call, unreached: list[int]) -> None:
     if call.api != "grad" or not unreached or call.inputs is None:
         return
     if not call.allow_unused:
+        # torch 2.13's sentence; earlier releases say "One of the differentiated
+        # Tensors" instead of naming the index.
         raise BadCall(RuntimeError(
             f"The differentiated Tensor at index {unreached[0]} appears to not have been used "
             "in the graph. Set allow_unused=True if this is the desired behavior."
