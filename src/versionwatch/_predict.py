@@ -377,8 +377,7 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _executed(graph: Graph, targets: set[int] | None, accumulate: bool,
-              single: bool | None = None) -> list[bool]:
+def _executed(graph: Graph, targets: set[int] | None, accumulate: bool) -> list[bool]:
     n = len(graph.nodes)
     if targets is None:
         return [True] * n
@@ -386,6 +385,8 @@ def _executed(graph: Graph, targets: set[int] | None, accumulate: bool,
     needed = [False] * n
     # engine.cpp init_to_execute: a node runs when a child runs or is captured;
     # backward(inputs=) also runs the inputs' own nodes, grad() only captures there.
+    # The root is no exception, even a single one (which skips GraphRoot): with
+    # no input behind it, it does not run (pytorch#51940).
     for i in reversed(graph.topological_order()):
         need = accumulate and i in targets
         if not need:
@@ -394,10 +395,6 @@ def _executed(graph: Graph, targets: set[int] | None, accumulate: bool,
                     need = True
                     break
         needed[i] = need
-    if single is None:
-        single = len(graph.roots) == 1
-    if single and graph.roots:
-        needed[graph.roots[0]] = True  # a single root skips GraphRoot and always runs
     return needed
 
 
@@ -693,8 +690,7 @@ def _predict(
         else:
             graph.walk(roots)
             targets, unreached = _targets(graph, call, root_edges, leaf_roots)
-            executed = _executed(graph, targets, accumulate=call.api == "backward",
-                                 single=len(outs) == 1)
+            executed = _executed(graph, targets, accumulate=call.api == "backward")
             checker.run(graph.nodes, executed)
             count = sum(executed)
         report = Report(
