@@ -480,3 +480,24 @@ def test_watcher_no_false_alarm_on_a_root_that_does_not_run():
         (g,) = torch.autograd.grad(s, [s], torch.ones(3), retain_graph=True)
         (u,) = torch.autograd.grad(s, [leaf(3)], torch.ones(3), allow_unused=True)
     assert torch.equal(g, torch.ones(3)) and u is None and not w.reports
+
+
+def _call_as_written(api: str, outputs: Any, kw: dict[str, Any]) -> None:
+    """The real call, through ``Tensor.backward`` where a program would write that."""
+    if api == "backward" and isinstance(outputs, torch.Tensor) and not isinstance(
+            kw.get("grad_outputs"), list):
+        rest = {k: v for k, v in kw.items() if k != "grad_outputs"}
+        outputs.backward(kw.get("grad_outputs"), **rest)
+        return
+    _real(api, outputs, kw)
+
+
+def test_random_calls_behave_the_same_under_a_watcher():
+    """The same seeded calls, plain and watched: the same outcome (a predicted hazard
+    is an InplaceModificationError where PyTorch raises its own)."""
+    for seed in range(300):
+        plain = _outcome(lambda: _call_as_written(*_random_call(random.Random(seed))))  # noqa: B023
+        with versionwatch.watch_all():
+            api, outputs, kw = _random_call(random.Random(seed))
+            watched = _outcome(lambda: _call_as_written(api, outputs, kw))  # noqa: B023
+        assert watched == plain, (seed, api, kw)
