@@ -137,6 +137,12 @@ def _stale_root() -> torch.Tensor:
     return s
 
 
+def _leaf_and_stale() -> tuple[Any, dict[str, Any]]:
+    """``a`` is an output and an input; its gradient also flows through a stale node."""
+    a, y = _stale_sigmoid()
+    return [a, y.sum()], {"inputs": [a], "grad_outputs": [torch.ones(3), None]}
+
+
 def _split() -> tuple[Any, dict[str, Any]]:
     parts = (leaf(4) * 2).split(2)
     return parts[0].sum(), {"inputs": [parts[1]]}
@@ -224,6 +230,8 @@ CASES: dict[str, tuple[str, Callable[[], tuple[Any, dict[str, Any]]]]] = {
     "stale_root_its_own_input": ("grad", lambda: ((lambda s: (s, {"inputs": [s], "grad_outputs": torch.ones(3)}))(_stale_root()))),
     "stale_root_unreached_input": ("grad", lambda: (_stale_root(), {"inputs": [leaf(3)], "grad_outputs": torch.ones(3), "allow_unused": True})),
     "stale_root_unreached_input_backward": ("backward", lambda: (_stale_root(), {"inputs": [leaf(3)], "grad_outputs": torch.ones(3)})),
+    "leaf_output_and_input_behind_a_stale_node": ("grad", _leaf_and_stale),
+    "sparse_leaf_output_and_input": ("grad", lambda: ((lambda x: (x, {"inputs": [x], "grad_outputs": torch.ones(3, 3, dtype=torch.double).to_sparse()}))(torch.randn(3, 3, dtype=torch.double).to_sparse().requires_grad_()))),
     "stale_edge_input": ("grad", _stale_edge),
     "stale_and_unused": ("grad", _stale_unused),
     "stale_and_non_scalar": ("backward", lambda: (_stale_sigmoid()[1], {})),

@@ -507,39 +507,38 @@ def _targets(graph: Graph, call: Call, root_edges: list[tuple[Node, int]],
     """The graph nodes of the inputs, and (for ``grad``) the inputs no gradient reaches.
 
     The engine captures an input's gradient where its edge (node, slot) enters
-    the graph; an edge that no walked node and no root leads to gets none.
+    the graph; an edge that no walked node and no root leads to gets none. A
+    leaf that is also an output is fed by the gradient given for it.
     """
     assert call.inputs is not None
     targets: set[int] = set()
-    keys: list[tuple[Node, int] | None] = []
+    keys: list[tuple[Node, int]] = []
+    fed: list[bool] = []
     acc: dict[int, int] | None = None
     for x in call.inputs:
-        key: tuple[Node, int] | None
         if isinstance(x, GradientEdge):
             key = (x.node, x.output_nr)
         elif x.grad_fn is not None:
             key = (x.grad_fn, x.output_nr)
-        elif id(x) in leaf_roots:
-            key = None  # an output itself: its gradient is the one given
         else:
             if acc is None:
                 acc = _accumulators(graph)
             j = acc.get(id(x))
             key = (graph.nodes[j], 0) if j is not None else (_NOWHERE, 0)
         keys.append(key)
-        if key is not None:
-            j = graph.index.get(key[0])
-            if j is not None:
-                targets.add(j)
+        fed.append(isinstance(x, torch.Tensor) and id(x) in leaf_roots)
+        j = graph.index.get(key[0])
+        if j is not None:
+            targets.add(j)
     if call.api != "grad":
         return targets, []
-    wanted = {k for k in keys if k is not None}
+    wanted = set(keys)
     reached = wanted.intersection(root_edges)
     for nf in graph.nexts:
         for edge in nf:
             if edge in wanted:
                 reached.add(edge)
-    return targets, [k for k, key in enumerate(keys) if key is not None and key not in reached]
+    return targets, [k for k, key in enumerate(keys) if key not in reached and not fed[k]]
 
 
 class _Nowhere:
