@@ -573,7 +573,9 @@ def check(
     ``torch.autograd.grad`` makes after running, an input that the graph never
     reaches ("The differentiated Tensor at index 0 appears to not have been used
     in the graph"), is raised only when the report has no hazard: with one, the
-    run fails on that hazard first, as the report says.
+    run fails on that hazard first, as the report says. An input that the graph
+    reaches but that gets no gradient all the same (a custom Function returning
+    ``None`` for it) is beyond foreseeing without running user code.
 
     Args:
         outputs: the tensor(s) you would call backward on (``loss``), or
@@ -612,6 +614,7 @@ def check(
             ``api="backward"``, or ``api="grad"`` has no ``inputs``.
         ValueError: ``api`` is unknown, or ``materialize_grads=True`` with
             ``allow_unused=False`` (PyTorch's message).
+        OverflowError: a flag is an integer outside 0..255 (PyTorch's message).
 
     Example:
         >>> import torch, versionwatch
