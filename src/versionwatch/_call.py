@@ -157,6 +157,43 @@ def _check_edges(api: Api, outs: tuple[Edge, ...], ins: tuple[Any, ...] | None) 
             ))
 
 
+# Layouts by the names PyTorch's C++ messages print.
+_LAYOUT = {torch.strided: "Strided", torch.sparse_coo: "Sparse", torch.sparse_csr: "SparseCsr",
+           torch.sparse_csc: "SparseCsc", torch.sparse_bsr: "SparseBsr",
+           torch.sparse_bsc: "SparseBsc", torch._mkldnn: "Mkldnn"}  # type: ignore[attr-defined]
+_COMPRESSED = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
+               torch.sparse_bsc)
+
+
+def _check_root_grads(outs: tuple[Edge, ...], grads: tuple[Any, ...]) -> None:
+    """The engine's checks of the roots' gradients before it runs a node.
+
+    ``validate_outputs`` in ``engine.cpp``: shapes and dtypes were settled by
+    ``_make_grads`` (a dtype is cast), so what is left is the layout (a sparse
+    gradient fits anything, a strided one fits a sparse output) and the device
+    (a 0-dim gradient is moved).
+    """
+    for i, (out, g) in enumerate(zip(outs, grads)):
+        if not isinstance(g, torch.Tensor) or g.is_nested:
+            continue
+        if isinstance(out, GradientEdge):
+            layout, device = None, out.node._input_metadata[out.output_nr].device
+        elif out.is_nested:
+            continue
+        else:
+            layout, device = out.layout, out.device
+        if layout is not None and g.layout != layout and not g.is_sparse \
+                and not (g.layout == torch.strided and layout in _COMPRESSED):
+            raise BadCall(RuntimeError(
+                f"invalid gradient at index {i} - expected layout "
+                f"{_LAYOUT.get(layout, str(layout))} but got {_LAYOUT.get(g.layout, str(g.layout))}"
+            ))
+        if g.device != device and g.dim() != 0 and type(g) is torch.Tensor:
+            raise BadCall(RuntimeError(
+                f"invalid gradient at index {i} - expected device {device} but got {g.device}"
+            ))
+
+
 def parse(api: Api, outputs: Any, inputs: Any) -> Call:
     """The outputs and inputs of a call, with the engine's checks of both.
 
@@ -219,6 +256,7 @@ def bind(
     if len(grads) != len(outs):
         raise BadCall(RuntimeError(f"got {len(outs)} tensors and {len(grads)} gradients"))
     _check_edges(api, outs, ins)
+    _check_root_grads(outs, grads)
     return Call(api, outs, ins, allow_unused=bool(allow_unused),
                 materialize_grads=bool(materialize_grads))
 
