@@ -52,7 +52,7 @@ class Call:
 def _note(err: Exception, text: str) -> Exception:
     if hasattr(err, "add_note"):
         err.add_note(text)
-    else:  # Python < 3.11: shown by tracebacks from 3.11 on, kept for tools before
+    else:  # Python < 3.11 has no add_note: set what it would set
         err.__notes__ = [*getattr(err, "__notes__", []), text]
     return err
 
