@@ -72,7 +72,8 @@ def _run_backward(original: Callable[..., Any]) -> Callable[..., Any]:
     """Time _run_backward without the backward itself (the ``call`` it is given)."""
     clock = time.perf_counter
 
-    def wrapper(self: Any, api: str, outputs: Any, inputs: Any, call: Callable[[], Any]) -> Any:
+    def wrapper(self: Any, api: str, outputs: Any, inputs: Any, call: Callable[[], Any],
+                *rest: Any) -> Any:
         spent = [0.0]
 
         def timed_call() -> Any:
@@ -84,7 +85,7 @@ def _run_backward(original: Callable[..., Any]) -> Callable[..., Any]:
 
         t = clock()
         try:
-            return original(self, api, outputs, inputs, timed_call)
+            return original(self, api, outputs, inputs, timed_call, *rest)
         finally:
             TOTALS["backward: prediction and events"] += clock() - t - spent[0]
             COUNTS["backward: prediction and events"] += 1

@@ -72,9 +72,10 @@ class Oracle:
     reports: list[Report] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
 
-    def _run(self, outputs: Any, inputs: Any, api: str, call: Any) -> Any:
+    def _run(self, outputs: Any, inputs: Any, api: str, call: Any, **args: Any) -> Any:
         before = _snapshot(self.watched)
-        report = versionwatch.check(outputs, inputs=inputs, names=self.names, api=api)  # type: ignore[arg-type]
+        # The call's own arguments too: check() mirrors the call it is given.
+        report = versionwatch.check(outputs, inputs=inputs, names=self.names, api=api, **args)  # type: ignore[arg-type]
         after = _snapshot(self.watched)
         assert len(before) == len(after)
         for (v0, g0), (v1, g1) in zip(before, after):
@@ -99,13 +100,15 @@ class Oracle:
     def backward(self, outputs: Any, *, inputs: Any = None, retain_graph: bool | None = None,
                  create_graph: bool = False) -> None:
         self._run(outputs, inputs, "backward", lambda: torch.autograd.backward(
-            outputs, inputs=inputs, retain_graph=retain_graph, create_graph=create_graph))
+            outputs, inputs=inputs, retain_graph=retain_graph, create_graph=create_graph),
+            retain_graph=retain_graph, create_graph=create_graph)
 
     def grad(self, outputs: Any, inputs: Any, *, retain_graph: bool | None = None,
              create_graph: bool = False, allow_unused: bool = False) -> Any:
         return self._run(outputs, inputs, "grad", lambda: torch.autograd.grad(
             outputs, inputs, retain_graph=retain_graph, create_graph=create_graph,
-            allow_unused=allow_unused))
+            allow_unused=allow_unused), retain_graph=retain_graph, create_graph=create_graph,
+            allow_unused=allow_unused)
 
     @property
     def failures(self) -> list[Outcome]:

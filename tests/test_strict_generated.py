@@ -90,9 +90,9 @@ class _Recorder(Oracle):
         self.predict = predict
         self.grads: list[list[Any]] = []
 
-    def _run(self, outputs: Any, inputs: Any, api: str, call: Any) -> Any:
+    def _run(self, outputs: Any, inputs: Any, api: str, call: Any, **args: Any) -> Any:
         if self.predict:
-            self.reports.append(versionwatch.check(outputs, inputs=inputs, api=api))
+            self.reports.append(versionwatch.check(outputs, inputs=inputs, api=api, **args))
         err = None
         result = None
         try:

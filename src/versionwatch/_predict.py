@@ -16,14 +16,15 @@ import heapq
 import math
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Union
 
 import torch
 from torch.autograd.function import BackwardCFunction
-from torch.autograd.graph import Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from versionwatch import _strict
+from versionwatch._call import Api, BadCall, Call, Edge, after_run, bind, parse
 from versionwatch._compat import (
     SAVED_INTROSPECTION,
     SAVED_UNPACK,
@@ -43,8 +44,7 @@ from versionwatch._report import Hazard, Report
 from versionwatch._strict import SavedRecord
 from versionwatch._strict import unpack as _strict_unpack
 
-TensorOrTensors = Union[torch.Tensor, Sequence[torch.Tensor]]
-Api = Literal["backward", "grad"]
+TensorOrTensors = Union[Edge, Sequence[Edge]]
 
 _VERSION_RE = re.compile(r"is at version (\d+); expected version (\d+) instead")
 _PRODUCER_RE = re.compile(r"which is output \d+ of ([\w:]+)")
@@ -54,35 +54,6 @@ _VIEW_NODE_RE = re.compile(
 _SAVED_RE = re.compile(r"\[(\S+) \[([\d, ]*)\]\]")  # "[torch.FloatTensor [8, 1]]"
 _FREED = "backward through the graph a second time"
 _RAW_PREFIX = "_raw_saved_"
-
-
-def _as_tensors(value: Any, what: str) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
-        raise TypeError(
-            f"{what} must be a tensor or a sequence of tensors; got {type(value).__name__}"
-        )
-    if len(value) == 0:
-        raise ValueError(f"{what} is empty: there is nothing to differentiate")
-    for i, t in enumerate(value):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what}[{i}] must be a tensor; got {type(t).__name__}")
-    return list(value)
-
-
-def _root(t: torch.Tensor, i: int) -> Node:
-    fn = t.grad_fn
-    if fn is not None:
-        return fn
-    if not t.requires_grad:
-        raise ValueError(
-            f"outputs[{i}] does not require grad and has no grad_fn, so backward would fail "
-            f'with "element {i} of tensors does not require grad and does not have a '
-            'grad_fn". It was computed under torch.no_grad() or inference_mode(), '
-            "detached, or only from tensors that don't require grad."
-        )
-    return get_gradient_edge(t).node
 
 
 # Per node type: (slot, raw getter, checked getter) for each saved-variable slot;
@@ -383,7 +354,7 @@ class _Checker:
             return
         h = Hazard(kind="silent", node=fn.name(), slot=slot, saved_version=data._version,
                    current_version=data._version, requires_grad=True)
-        h.shape, h.dtype, h.device = tuple(data.shape), _dtype(data), str(data.device)
+        h.shape, h.dtype, h.device = _shape(data), _dtype(data), str(data.device)
         self.hazards.append((i, len(self.hazards), h, data))
 
     def _sequence(self, i: int, fn: Node, slot: str, raws: Sequence[Any], saved_attr: str) -> None:
@@ -508,7 +479,7 @@ class _Checker:
                 and fn.name().startswith(producer_m.group(1))),
         )
         if data is not None:
-            h.shape = tuple(data.shape)
+            h.shape = _shape(data)
             h.dtype = _dtype(data)
             h.device = str(data.device)
             h.requires_grad = data.requires_grad
@@ -527,6 +498,11 @@ class _Checker:
             h.shape = _message_shape(msg)
             h.dtype, h.device = _message_type(msg)
         self.hazards.append((i, seq, h, data))
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The shape, or ``None`` for a nested tensor, whose parts have shapes of their own."""
+    return None if t.is_nested else tuple(t.shape)
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -620,6 +596,8 @@ def _executed(graph: Graph, targets: set[int] | None, accumulate: bool) -> list[
     needed = [False] * n
     # engine.cpp init_to_execute: a node runs when a child runs or is captured;
     # backward(inputs=) also runs the inputs' own nodes, grad() only captures there.
+    # The root is no exception, even a single one (which skips GraphRoot): with
+    # no input behind it, it does not run (pytorch#51940).
     for i in reversed(graph.topological_order()):
         need = accumulate and i in targets
         if not need:
@@ -628,8 +606,6 @@ def _executed(graph: Graph, targets: set[int] | None, accumulate: bool) -> list[
                     need = True
                     break
         needed[i] = need
-    if len(graph.roots) == 1:
-        needed[graph.roots[0]] = True  # a single root skips GraphRoot and always runs
     return needed
 
 
@@ -692,10 +668,106 @@ def _path_to(graph: Graph, parent: list[int], i: int) -> list[str]:
     return path[::-1]
 
 
+# A node type -> whether it is AccumulateGrad, whose ``variable`` is its leaf.
+_IS_ACCUMULATOR: dict[type, bool] = {}
+Inputs = Union[Edge, Iterable[Edge], Mapping[str, torch.Tensor]]
+
+
+def _roots(outs: Sequence[Edge]) -> tuple[list[Node], list[tuple[Node, int]], set[int]]:
+    """The root nodes to walk, the edges backward feeds, and the ids of leaf outputs."""
+    nodes: list[Node] = []
+    edges: list[tuple[Node, int]] = []
+    leaves: set[int] = set()
+    for t in outs:
+        if isinstance(t, GradientEdge):
+            node, nr = t.node, t.output_nr
+        elif t.grad_fn is not None:
+            node, nr = t.grad_fn, t.output_nr
+        else:
+            # A leaf: the engine feeds its AccumulateGrad, which saves nothing.
+            leaves.add(id(t))
+            try:
+                node, nr = get_gradient_edge(t).node, 0
+            except (RuntimeError, NotImplementedError):
+                continue  # sparse, mkldnn: Python reaches the node only through a view
+        nodes.append(node)
+        edges.append((node, nr))
+    return nodes, edges, leaves
+
+
+def _accumulators(graph: Graph) -> dict[int, int]:
+    """``id(leaf)`` -> index of its AccumulateGrad in the graph.
+
+    Found in the walked graph rather than made through a view of the leaf, which
+    sparse and mkldnn tensors do not support: a leaf whose accumulator the graph
+    does not hold gets no gradient anyway.
+    """
+    found: dict[int, int] = {}
+    for j, fn in enumerate(graph.nodes):
+        cls = type(fn)
+        is_acc = _IS_ACCUMULATOR.get(cls)
+        if is_acc is None:
+            is_acc = _IS_ACCUMULATOR[cls] = fn.name() == "torch::autograd::AccumulateGrad"
+        if is_acc:
+            found[id(fn.variable)] = j  # type: ignore[attr-defined]
+    return found
+
+
+def _targets(graph: Graph, call: Call, root_edges: list[tuple[Node, int]],
+             leaf_roots: set[int]) -> tuple[set[int], list[int]]:
+    """The graph nodes of the inputs, and (for ``grad``) the inputs no gradient reaches.
+
+    The engine captures an input's gradient where its edge (node, slot) enters
+    the graph; an edge that no walked node and no root leads to gets none. A
+    leaf that is also an output is fed by the gradient given for it.
+    """
+    assert call.inputs is not None
+    targets: set[int] = set()
+    keys: list[tuple[Node, int]] = []
+    fed: list[bool] = []
+    acc: dict[int, int] | None = None
+    for x in call.inputs:
+        if isinstance(x, GradientEdge):
+            key = (x.node, x.output_nr)
+        elif x.grad_fn is not None:
+            key = (x.grad_fn, x.output_nr)
+        else:
+            if acc is None:
+                acc = _accumulators(graph)
+            j = acc.get(id(x))
+            key = (graph.nodes[j], 0) if j is not None else (_NOWHERE, 0)
+        keys.append(key)
+        fed.append(isinstance(x, torch.Tensor) and id(x) in leaf_roots)
+        j = graph.index.get(key[0])
+        if j is not None:
+            targets.add(j)
+    if call.api != "grad":
+        return targets, []
+    wanted = set(keys)
+    reached = wanted.intersection(root_edges)
+    for nf in graph.nexts:
+        for edge in nf:
+            if edge in wanted:
+                reached.add(edge)
+    return targets, [k for k, key in enumerate(keys) if key not in reached and not fed[k]]
+
+
+class _Nowhere:
+    """Stands for the accumulator of a leaf the graph does not reach."""
+
+
+_NOWHERE: Any = _Nowhere()
+
+
 def check(
     outputs: TensorOrTensors,
     *,
-    inputs: TensorOrTensors | None = None,
+    inputs: Inputs | None = None,
+    grad_outputs: Any = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    allow_unused: bool | None = None,
+    materialize_grads: bool = False,
     names: Names | None = None,
     api: Api = "backward",
 ) -> Report:
@@ -704,10 +776,33 @@ def check(
     It reads every tensor that the backward would unpack and runs PyTorch's own
     version check on it. It changes nothing: no tensor, no ``.grad``, no version.
 
+    It takes the call's own arguments and mirrors the call: when PyTorch would
+    reject them, ``check`` raises PyTorch's exception, of the same type and with
+    PyTorch's own message (a ``RuntimeError`` "grad can be implicitly created only
+    for scalar outputs" for ``check(a * a)``). The call would raise it before
+    reading any saved tensor, so no report could describe it. The one rejection
+    ``torch.autograd.grad`` makes after running, an input that the graph never
+    reaches ("The differentiated Tensor at index 0 appears to not have been used
+    in the graph"), is raised only when the report has no hazard: with one, the
+    run fails on that hazard first, as the report says. An input that the graph
+    reaches but that gets no gradient all the same (a custom Function returning
+    ``None`` for it) is beyond foreseeing without running user code.
+
     Args:
-        outputs: the tensor(s) you would call backward on (``loss``).
+        outputs: the tensor(s) you would call backward on (``loss``), or
+            ``GradientEdge``s.
         inputs: as in ``torch.autograd.backward(..., inputs=)`` or
-            ``torch.autograd.grad(outputs, inputs)``: only nodes on a path to them run.
+            ``torch.autograd.grad(outputs, inputs)``: tensors, ``GradientEdge``s
+            or a dict of tensors; only nodes on a path to them run.
+        grad_outputs: the gradients of ``outputs``: ``gradient`` of
+            ``Tensor.backward``, ``grad_tensors`` of ``torch.autograd.backward``,
+            ``grad_outputs`` of ``torch.autograd.grad``.
+        retain_graph: as in the call. It decides whether a *later* backward
+            through this graph fails, not this one.
+        create_graph: as in the call.
+        allow_unused: ``torch.autograd.grad`` only: whether an input that the
+            graph never reaches is allowed (default: ``materialize_grads``).
+        materialize_grads: ``torch.autograd.grad`` only.
         names: an ``nn.Module`` (its parameters and buffers are named by qualified
             name), a dict of named modules (``{"G": gen}`` gives ``G.fc.weight``), or
             a dict from tensors to names.
@@ -719,9 +814,18 @@ def check(
         A :class:`Report`; ``report.hazards[0]`` is the error backward would raise.
 
     Raises:
-        TypeError: ``outputs``, ``inputs`` or ``names`` is not what it should be.
-        ValueError: an output has no graph, an input does not require grad, or a
-            sequence is empty.
+        RuntimeError: PyTorch would reject the call's arguments (an output with
+            no graph, a non-scalar output without ``grad_outputs``, a gradient
+            of the wrong shape, an input that does not require grad or, for
+            ``grad`` without ``allow_unused``, that the graph never reaches);
+            the message is PyTorch's.
+        TypeError: PyTorch would raise one for the arguments (its message), or
+            ``outputs``, ``inputs`` or ``names`` is not tensors at all, or
+            ``allow_unused``/``materialize_grads`` is given with
+            ``api="backward"``, or ``api="grad"`` has no ``inputs``.
+        ValueError: ``api`` is unknown, or ``materialize_grads=True`` with
+            ``allow_unused=False`` (PyTorch's message).
+        OverflowError: a flag is an integer outside 0..255 (PyTorch's message).
 
     Example:
         >>> import torch, versionwatch
@@ -735,23 +839,53 @@ def check(
         >>> (h.tensor, h.where, h.saved_version, h.current_version)
         ('w3', 'MulBackward0.other', 0, 1)
     """
+    __tracebackhide__ = True
     if api not in ("backward", "grad"):
         raise ValueError(f'api must be "backward" or "grad"; got {api!r}')
-    return predict(outputs, inputs, api, resolve_names(names))
+    if api == "backward" and (allow_unused is not None or materialize_grads):
+        raise TypeError(
+            'allow_unused and materialize_grads are arguments of torch.autograd.grad: '
+            'pass api="grad" with them'
+        )
+    name_map = resolve_names(names)
+    try:
+        call = bind(api, outputs, inputs, grad_outputs, retain_graph, create_graph,
+                    allow_unused, materialize_grads)
+        report, unreached = _predict(call, name_map)
+        if report.ok:
+            after_run(call, unreached)
+    except BadCall as e:
+        raise e.error from None
+    return report
 
 
 def predict(
     outputs: TensorOrTensors,
-    inputs: TensorOrTensors | None,
+    inputs: Inputs | None,
     api: Api,
     name_map: dict[int, str],
     silent: dict[int, int] | None = None,
 ) -> Report:
-    """:func:`check` with names already resolved, and a watcher's silent writes."""
-    outs = _as_tensors(outputs, "outputs")
-    ins = _as_tensors(inputs, "inputs") if inputs is not None else None
-    roots = [_root(t, i) for i, t in enumerate(outs)]
+    """:func:`check` for a watcher: names resolved, silent writes known.
+
+    Only the outputs and inputs are judged here; a watcher leaves the rest of
+    the call's arguments to PyTorch.
+
+    Raises:
+        TypeError: ``outputs`` or ``inputs`` is not tensors at all.
+        BadCall: PyTorch rejects the outputs or inputs.
+    """
+    return _predict(parse(api, outputs, inputs), name_map, silent)[0]
+
+
+def _predict(
+    call: Call, name_map: dict[int, str], silent: dict[int, int] | None = None
+) -> tuple[Report, list[int]]:
+    """The report, and the indices of the inputs that no gradient would reach."""
+    outs, ins = call.outputs, call.inputs
+    roots, root_edges, leaf_roots = _roots(outs)
     graph = Graph()
+    unreached: list[int] = []
     # The walk creates a wrapper per node, which would trigger the cyclic GC
     # again and again on a big graph (it made a 100k-node check 5x slower);
     # nothing here makes cycles, so it is paused for the walk, as a bulk load.
@@ -768,14 +902,8 @@ def predict(
             count = len(graph.nodes)
         else:
             graph.walk(roots)
-            targets = set()
-            for k, t in enumerate(ins):
-                if not t.requires_grad:
-                    raise ValueError(f"inputs[{k}] does not require grad")
-                j = graph.index.get(get_gradient_edge(t).node)
-                if j is not None:
-                    targets.add(j)
-            executed = _executed(graph, targets, accumulate=api == "backward")
+            targets, unreached = _targets(graph, call, root_edges, leaf_roots)
+            executed = _executed(graph, targets, accumulate=call.api == "backward")
             checker.run(graph.nodes, executed)
             count = sum(executed)
         report = Report(
@@ -805,11 +933,11 @@ def predict(
                 report.hazards.append(h)
     finally:
         try:
-            lease(graph, outs)
+            lease(graph, [t for t in outs if isinstance(t, torch.Tensor)])
         finally:
             if gc_was_enabled:
                 gc.enable()
-    return report
+    return report, unreached
 
 
 def raise_for(report: Report) -> None:
@@ -826,17 +954,27 @@ def raise_for(report: Report) -> None:
 def assert_backward_safe(
     outputs: TensorOrTensors,
     *,
-    inputs: TensorOrTensors | None = None,
+    inputs: Inputs | None = None,
+    grad_outputs: Any = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    allow_unused: bool | None = None,
+    materialize_grads: bool = False,
     names: Names | None = None,
     api: Api = "backward",
 ) -> None:
     """Raise before backward runs if it would fail; return quietly if it would not.
 
-    Takes the arguments of :func:`check`.
+    Takes the arguments of :func:`check`, and so the call's own: pass them as
+    you pass them to the call, and a call that its arguments doom is never
+    called safe.
 
     Raises:
         InplaceModificationError: a saved tensor was modified by an inplace operation.
         FreedGraphError: the graph's saved tensors were freed by an earlier backward.
+        RuntimeError: PyTorch would reject the call's arguments: PyTorch's own
+            exception and message, as :func:`check` raises it (also
+            ``TypeError`` or ``ValueError`` where PyTorch raises those).
 
     Example:
         >>> import torch, versionwatch
@@ -848,6 +986,13 @@ def assert_backward_safe(
         ... except versionwatch.InplaceModificationError as e:
         ...     print(e.report.hazards[0].where)
         SigmoidBackward0.result
+        >>> try:
+        ...     versionwatch.assert_backward_safe(x * x)   # as (x * x).backward()
+        ... except RuntimeError as e:
+        ...     print(e)
+        grad can be implicitly created only for scalar outputs
     """
     __tracebackhide__ = True
-    raise_for(check(outputs, inputs=inputs, names=names, api=api))
+    raise_for(check(outputs, inputs=inputs, grad_outputs=grad_outputs, retain_graph=retain_graph,
+                    create_graph=create_graph, allow_unused=allow_unused,
+                    materialize_grads=materialize_grads, names=names, api=api))

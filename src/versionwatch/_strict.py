@@ -107,7 +107,8 @@ class SavedRecord:
         t = self.tensor
         output = slot.startswith("result")
         return Hazard(kind=kind, node=node, slot=slot, saved_version=self.version,
-                      current_version=t._version, shape=tuple(t.shape),
+                      current_version=t._version,
+                      shape=None if t.is_nested else tuple(t.shape),  # nested: no one shape
                       dtype=str(t.dtype).replace("torch.", ""), device=str(t.device),
                       requires_grad=self.requires_grad, saved_output=output, module=self.module,
                       producer=_BACKWARD_SUFFIX.sub("", node) if output else None,

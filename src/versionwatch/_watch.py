@@ -16,7 +16,7 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from versionwatch import _strict
+from versionwatch._call import BadCall, read_once, rejected
 from versionwatch._compat import SAVED_INTROSPECTION, is_compiling
 from versionwatch._config import Policy, resolve_policy
 from versionwatch._errors import InplaceHazardWarning
@@ -107,7 +108,12 @@ def _patched(api: str, first: str, inputs_at: int) -> Callable[..., Any]:
             return original(*args, **kwargs)
         outputs = args[0] if args else kwargs.get(first)
         inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
-        return w._run_backward(api, outputs, inputs, lambda: original(*args, **kwargs))
+        if isinstance(outputs, Iterator) or isinstance(inputs, Iterator):
+            args, kwargs = read_once(args, kwargs, first, inputs_at)
+            outputs = args[0] if args else kwargs.get(first)
+            inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
+        return w._run_backward(api, outputs, inputs, lambda: original(*args, **kwargs),
+                               (args, kwargs))
 
     patched.__name__ = patched.__qualname__ = api
     return patched
@@ -499,7 +505,8 @@ class Watcher:
                     )
 
     # -- backward --------------------------------------------------------------------
-    def _run_backward(self, api: str, outputs: Any, inputs: Any, call: Callable[[], Any]) -> Any:
+    def _run_backward(self, api: str, outputs: Any, inputs: Any, call: Callable[[], Any],
+                      arguments: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> Any:
         __tracebackhide__ = True
         if self.strict:
             _strict.end_step()  # past any step, even one that raised (or in a closure)
@@ -520,8 +527,11 @@ class Watcher:
             try:
                 report: Report | None = predict(outputs, inputs, api, names,  # type: ignore[arg-type]
                                                 silent or None)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, BadCall):
                 report = None  # PyTorch will say what is wrong with the arguments
+            if report is not None and not report.ok and arguments is not None \
+                    and rejected(api, *arguments):
+                report = None  # PyTorch rejects the arguments before any saved tensor: its error
             if report is not None:
                 report.backward_site = site
                 if not report.ok:
