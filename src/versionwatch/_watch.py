@@ -3,9 +3,10 @@
 While a watcher is open, every ``Tensor.backward``, ``torch.autograd.backward``
 and ``torch.autograd.grad`` call is predicted before it runs (these three cover
 GradScaler, Accelerate's ``accelerator.backward`` and Lightning's manual
-backward, which all end in ``torch.autograd.backward``). Root-module forward
-hooks, optimizer step hooks and ``zero_grad`` feed the :class:`Ledger`, which
-turns a hazard's two version numbers into the events that moved them.
+backward, which all end in ``torch.autograd.backward``). Root-module forwards
+(seen by :mod:`versionwatch._forward`), optimizer step hooks and ``zero_grad``
+feed the :class:`Ledger`, which turns a hazard's two version numbers into the
+events that moved them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from versionwatch import _strict
+from versionwatch import _forward, _strict
 from versionwatch._config import Policy, resolve_policy
 from versionwatch._errors import InplaceHazardWarning
 from versionwatch._explain import fix_for
@@ -146,6 +147,7 @@ def _install() -> None:
     autograd.backward = _backward
     autograd.grad = _grad
     Optimizer.zero_grad = _zero_grad  # type: ignore[method-assign]
+    _forward.install()
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
         register_optimizer_step_pre_hook,
@@ -163,6 +165,7 @@ def _uninstall() -> None:
     autograd.backward = _ORIGINAL["backward"]
     autograd.grad = _ORIGINAL["grad"]
     Optimizer.zero_grad = _ORIGINAL["zero_grad"]  # type: ignore[method-assign]
+    _forward.uninstall()
     while _GLOBAL_HANDLES:
         _GLOBAL_HANDLES.pop().remove()
 
@@ -187,6 +190,8 @@ def _variable_name(module: nn.Module, skip: int) -> str:
     return type(module).__name__
 
 
+# The step's label, site, (param, version before) of the params it may update,
+# and notes. Params are held weakly: a step that raised never clears it.
 _Pending = tuple[str, Optional[Site], list[tuple[torch.Tensor, int]], dict[int, str]]
 
 
@@ -237,7 +242,7 @@ class Watcher:
         self._names: dict[int, str] = {}
         self._roots: dict[str, weakref.ref[nn.Module]] = {}
         self._forwards: dict[str, int] = {}
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle | _forward.Handle] = []
         self._optimizers: dict[int, _OptimizerState] = {}
         self._silent: dict[int, int] = {}
         self._backwards = 0
@@ -283,22 +288,7 @@ class Watcher:
             if key not in self._names:
                 self._names[key] = qual
                 self.ledger.track(qual, t)
-        self._handles.append(module.register_forward_pre_hook(self._forward_hook(name, True)))
-        self._handles.append(
-            module.register_forward_hook(self._forward_hook(name, False), always_call=True)
-        )
-
-    def _forward_hook(self, root: str, pre: bool) -> Callable[..., None]:
-        ref = weakref.ref(self)
-
-        def hook(module: nn.Module, *args: Any) -> None:
-            if torch.compiler.is_compiling():
-                return  # inside a torch.compile trace: record nothing, break no graph
-            w = ref()
-            if w is not None and not w._closed:
-                w._on_forward(root, pre)
-
-        return hook
+        self._handles.append(_forward.add_root(module, self, name))
 
     def _label(self, root: str, n: int) -> str:
         return f"forward #{n}" if len(self._roots) == 1 else f"{root}.forward #{n}"
