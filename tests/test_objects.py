@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import io
 import pickle
 import subprocess
 import sys
 import textwrap
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -158,6 +160,25 @@ def test_a_compiled_function_is_not_recompiled_for_each_module_under_a_watch():
             # The forward route asks is_dynamo_compiling() before id(module),
             # which would make the trace guard on the first module.
             assert torch.equal(g(b, torch.ones(2, 4)), f(b, torch.ones(2, 4)))
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_an_open_watcher_keeps_no_deleted_model_alive(strict: bool):
+    with versionwatch.watch_all(strict=strict) as w:
+        refs = []
+        for _ in range(3):  # a sweep: many models in one watch_all()
+            model = mlp()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            train_step(model, opt)
+            opt.zero_grad(set_to_none=False)  # the path that notes each param's grad
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            refs += [weakref.ref(model), weakref.ref(model[0].weight), weakref.ref(opt)]
+            del model, opt
+            gc.collect()
+            assert [r() for r in refs] == [None] * len(refs)
+        assert len(w._roots) == 3  # they were watched
+    assert_registry_empty()
 
 
 def test_torch_multiprocessing_spawn_under_versionwatch_run(tmp_path: Path):

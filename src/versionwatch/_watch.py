@@ -18,7 +18,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
@@ -192,7 +192,8 @@ def _variable_name(module: nn.Module, skip: int) -> str:
 
 # The step's label, site, (param, version before) of the params it may update,
 # and notes. Params are held weakly: a step that raised never clears it.
-_Pending = tuple[str, Optional[Site], list[tuple[torch.Tensor, int]], dict[int, str]]
+_Pending = tuple[str, Optional[Site], list[tuple["weakref.ref[torch.Tensor]", int]],
+                 dict[int, str]]
 
 
 class _OptimizerState:
@@ -204,8 +205,10 @@ class _OptimizerState:
         self.steps = 0
         self.pending: _Pending | None = None
         # (ids of each group's params, watched params, their Tracked): reused
-        # while the param groups hold the same tensors.
-        self.params: tuple[list[list[int]], list[torch.Tensor], list[Tracked | None]] | None = None
+        # while the param groups hold the same tensors. Weak: an open watcher
+        # must not keep a deleted model's parameters alive.
+        self.params: tuple[list[list[int]], list[weakref.ref[torch.Tensor]],
+                           list[Tracked | None]] | None = None
 
 
 _NO_GRAD = (True, None, 0)  # the grad mark after zero_grad(set_to_none=True)
@@ -327,7 +330,11 @@ class Watcher:
         state = self._optimizers.get(id(opt))
         ids = [list(map(id, g["params"])) for g in opt.param_groups]
         if state is not None and state.params is not None and state.params[0] == ids:
-            return state.params[1], state.params[2]
+            params = [r() for r in state.params[1]]
+            # The same ids, and the groups hold tensors with these ids alive:
+            # only a dead one's id reused breaks the cache.
+            if not any(p is None for p in params):
+                return cast("list[torch.Tensor]", params), state.params[2]
         out = []
         complete = True
         for g in opt.param_groups:
@@ -340,7 +347,7 @@ class Watcher:
                     complete = False  # try to adopt it again next time
         trs = [self.ledger.tracked.get(id(p)) for p in out]
         if state is not None and state.ref() is opt and complete:
-            state.params = (ids, out, trs)
+            state.params = (ids, [weakref.ref(p) for p in out], trs)
         return out, trs
 
     def _adopt(self, p: torch.Tensor) -> None:
@@ -416,7 +423,7 @@ class Watcher:
             g = p.grad
             if g is None:
                 continue
-            touched.append((p, p._version))
+            touched.append((weakref.ref(p), p._version))
             if tr is None:
                 continue
             mark = tr.grad_mark
@@ -452,8 +459,9 @@ class Watcher:
         if any(g.get("fused") for g in opt.param_groups):
             # Fused kernels update parameters in place without bumping _version.
             clock = None
-            for p, v in touched:
-                if p._version == v:
+            for ref, v in touched:
+                p = ref()
+                if p is not None and p._version == v:
                     clock = clock if clock is not None else _seq_clock()
                     self._silent[id(p)] = clock
                     self.ledger.silent(
