@@ -146,6 +146,16 @@ def test_script_inside_a_watch(mode: str):
     assert_registry_empty()
 
 
+def test_watching_a_script_module_says_what_to_watch_instead():
+    model = mlp()
+    for scripted in (torch.jit.script(model), torch.jit.trace(model, torch.randn(2, 4))):
+        with pytest.raises(TypeError, match=r"cannot watch 'scripted', a ScriptModule .*"
+                                             r"Watch the module you scripted"):
+            versionwatch.watch(scripted)
+    assert not versionwatch._watch._ACTIVE  # refused before anything was installed
+    assert_registry_empty()
+
+
 def test_a_compiled_function_is_not_recompiled_for_each_module_under_a_watch():
     torch._dynamo.reset()
 

@@ -260,6 +260,14 @@ class Watcher:
                         "give each module once"
                     )
                 seen[id(module)] = name
+                if isinstance(module, torch.jit.ScriptModule):
+                    raise TypeError(
+                        f"watch() cannot watch {name!r}, a ScriptModule (the output of "
+                        "torch.jit.script or torch.jit.trace): TorchScript's differentiable "
+                        "graphs hide the tensors they save for backward, so no backward "
+                        "through it can be predicted. Watch the module you scripted and run "
+                        "it instead of the script (they share their parameters)"
+                    )
                 for other in _ACTIVE:
                     if any(r() is module for r in other._roots.values()):
                         raise ValueError(
