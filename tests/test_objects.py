@@ -156,6 +156,29 @@ def test_watching_a_script_module_says_what_to_watch_instead():
     assert_registry_empty()
 
 
+def test_a_compiled_module_is_named_as_the_user_writes_it():
+    torch._dynamo.reset()
+    model = mlp()
+    cm = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(cm.parameters(), lr=0.1)
+    with versionwatch.watch(cm, opt) as w:
+        assert sorted(w.ledger.by_name) == ["cm.0.bias", "cm.0.weight", "cm.2.bias",
+                                            "cm.2.weight"]
+        out = cm(torch.randn(8, 4))
+        out.sum().backward(retain_graph=True)
+        opt.step()
+        with pytest.raises(InplaceModificationError) as info:
+            out.pow(2).sum().backward()
+    assert info.value.report.hazards[0].tensor == "cm.2.weight"
+    # A compiled submodule: model.enc.weight, as attribute access spells it.
+    outer = nn.Sequential()
+    outer.enc = torch.compile(nn.Linear(2, 2), backend="eager")
+    assert outer.enc.weight is outer.enc._orig_mod.weight
+    report = versionwatch.check(outer.enc(torch.ones(1, 2)).sum(), names=outer)
+    assert report.ok
+    assert set(versionwatch._naming.resolve_names(outer).values()) == {"enc.weight", "enc.bias"}
+
+
 def test_a_compiled_function_is_not_recompiled_for_each_module_under_a_watch():
     torch._dynamo.reset()
 
