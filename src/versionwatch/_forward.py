@@ -7,8 +7,8 @@ watcher, and ``torch.jit.script`` tries to compile them. Instead, while a
 watcher is open, ``nn.Module._call_impl`` is replaced by a thin wrapper that
 looks each called module up in a registry of watched roots, held by weak
 reference. A module hook, even a global one, would also send every call down
-``nn.Module``'s slow path; the wrapper keeps the fast path and costs one dict
-lookup for a module nobody watches.
+``nn.Module``'s slow path; the wrapper keeps the fast path and costs a module
+nobody watches one ``is_dynamo_compiling()`` call and one dict lookup.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ class Handle:
 
     def remove(self) -> None:
         entries: list[Any] | None = _ADOPTERS if self._key is None else _ROOTS.get(self._key)
-        if entries is not None and self._entry in entries:
-            entries.remove(self._entry)
-            if not entries and self._key is not None:
-                _ROOTS.pop(self._key, None)
+        if entries is None:
+            return
+        entries[:] = [e for e in entries if e is not self._entry]
+        if not entries and self._key is not None:
+            _ROOTS.pop(self._key, None)
 
 
 def add_root(module: nn.Module, watcher: Any, name: str) -> Handle:
