@@ -714,6 +714,12 @@ def watch(
     Returns:
         A :class:`Watcher`, active until closed; use it as a context manager.
 
+    Raises:
+        TypeError: ``modules`` is not a module or a dict of them, or one is a
+            ScriptModule (watch the module it was scripted from).
+        ValueError: a module is given twice or already watched, or an optimizer
+            steps none of the watched parameters.
+
     Example:
         >>> import torch, versionwatch
         >>> nn = torch.nn
