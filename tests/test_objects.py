@@ -71,9 +71,11 @@ def test_pickle_and_torch_save_inside_a_watch(tmp_path: Path):
             train_step(model, opt)
             assert w._forwards  # the forward was seen: the model is watched
             inside = pickle.dumps(model)
+            with_opt = pickle.dumps((model, opt))
             buf = io.BytesIO()
             torch.save(model, buf)  # what word_language_model does with its best model
         assert pickle.dumps(model) == inside
+        assert pickle.dumps((model, opt)) == with_opt
         assert b"versionwatch" not in inside and b"versionwatch" not in buf.getvalue()
         expected = model(torch.ones(1, 4)).item()
         (tmp_path / f"{mode}.pkl").write_bytes(inside)
