@@ -240,3 +240,24 @@ def test_torch_multiprocessing_spawn_under_versionwatch_run(tmp_path: Path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "True"
     assert "1 backward(s) watched, no hazard" in r.stderr
+
+
+def test_an_error_in_forward_shows_no_frame_of_ours_under_versionwatch_run(tmp_path: Path):
+    (tmp_path / "err.py").write_text(textwrap.dedent("""\
+        import torch
+        from torch import nn
+
+        class Bad(nn.Module):
+            def forward(self, x):
+                raise ValueError("bad input")
+
+        model = nn.Sequential(nn.Linear(2, 2), Bad())
+        model(torch.ones(1, 2))
+    """))
+    r = subprocess.run([sys.executable, "-m", "versionwatch", "run", "err.py"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    trace = r.stderr[:r.stderr.index("ValueError: bad input")]
+    assert 'line 6, in forward\n    raise ValueError("bad input")' in trace
+    assert trace.count("in _wrapped_call_impl") == 2  # torch's frames are kept
+    assert "versionwatch" not in trace

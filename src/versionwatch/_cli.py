@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_FORWARD_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_forward.py")
+
+
 def _short_traceback(err: BaseException) -> str:
     """The traceback of the user's code: runpy's and the CLI's own frames dropped.
 
@@ -65,6 +68,8 @@ def _short_traceback(err: BaseException) -> str:
         f for f in traceback.extract_tb(err.__traceback__)
         if not (f.filename.endswith("runpy.py") or "<frozen runpy>" in f.filename
                 or os.path.abspath(f.filename) == os.path.abspath(__file__)
+                # The forward route's frame between torch's own: not in a plain run.
+                or os.path.abspath(f.filename) == _FORWARD_FILE
                 or (ours and is_library(f.filename)))
     ]
     head = "Traceback (most recent call last):\n" if frames else ""

@@ -83,6 +83,7 @@ def _wrap(call_impl: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(call_impl)
     def _call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # pytest: a plain run has no such frame
         # Inside a trace: record nothing, break no graph. Asked first: id(self)
         # would make the trace guard on this very module, and recompile for the next.
         if is_tracing():
