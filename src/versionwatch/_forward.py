@@ -4,11 +4,18 @@ Module hooks live in the module's own hook dicts, and whatever copies a module
 copies them: ``pickle`` and ``torch.save`` fail on a local function,
 ``copy.deepcopy`` hands them to EMA and checkpoint copies that outlive the
 watcher, and ``torch.jit.script`` tries to compile them. Instead, while a
-watcher is open, ``nn.Module._call_impl`` is replaced by a thin wrapper that
-looks each called module up in a registry of watched roots, held by weak
-reference. A module hook, even a global one, would also send every call down
-``nn.Module``'s slow path; the wrapper keeps the fast path and costs a module
-nobody watches one ``is_dynamo_compiling()`` call and one dict lookup.
+watcher is open, the class attribute ``nn.Module._compiled_call_impl`` (``None``,
+set on an instance by ``module.compile()``) is a descriptor. ``nn.Module.__call__``
+reads it first, and calls what it gives instead of ``_call_impl``: for a watched
+root (or, under ``watch_all``, a module not seen yet) a call that records the
+forward around ``_call_impl``; for any other module ``None``, so the call goes
+on as in a plain run. Roots are held by weak reference.
+
+A module hook, even a global one, sends every call down ``nn.Module``'s slow
+path; wrapping ``_call_impl`` adds a Python frame to every module call, and
+shows it in every traceback. The descriptor costs an unwatched module one small
+call and a dict lookup, and it leaves ``_call_impl`` as it is, so
+``torch.compile`` still traces a module's ``forward`` directly.
 """
 
 from __future__ import annotations
@@ -21,11 +28,11 @@ import torch
 from torch import nn
 
 # id(root module) -> (module ref, watcher ref, root name), in registration order.
-_Route = tuple["weakref.ref[nn.Module]", "weakref.ref[Any]", str]
-_ROOTS: dict[int, list[_Route]] = {}
+_Entry = tuple["weakref.ref[nn.Module]", "weakref.ref[Any]", str]
+_ROOTS: dict[int, list[_Entry]] = {}
 # Open watchers that adopt every module run outside the roots they know (watch_all).
 _ADOPTERS: list[weakref.ref[Any]] = []
-_ORIGINAL: list[Callable[..., Any]] = []
+_ORIGINAL: list[Any] = []  # what nn.Module._compiled_call_impl was: None
 
 
 class Handle:
@@ -58,7 +65,7 @@ def add_root(module: nn.Module, watcher: Any, name: str) -> Handle:
             if not routes:
                 _ROOTS.pop(key, None)
 
-    route: _Route = (weakref.ref(module, gone), weakref.ref(watcher), name)
+    route: _Entry = (weakref.ref(module, gone), weakref.ref(watcher), name)
     _ROOTS.setdefault(key, []).append(route)
     return Handle(key, route)
 
@@ -67,64 +74,75 @@ def add_adopter(watcher: Any) -> Handle:
     """Call ``watcher._adopt_root(module)`` for each module whose id is not in ``watcher._seen``.
 
     It runs before the module's routes are looked up, so an adopted root's
-    first forward is seen too.
+    first forward is recorded too.
     """
     entry = weakref.ref(watcher)
     _ADOPTERS.append(entry)
     return Handle(None, entry)
 
 
-def _wrap(call_impl: Callable[..., Any]) -> Callable[..., Any]:
-    roots, adopters = _ROOTS, _ADOPTERS
-    is_compiling = torch.compiler.is_compiling
-    # Folded to True inside a torch.compile trace, and three times cheaper than
-    # is_compiling(), which also covers torch.export and is asked only for roots.
-    is_tracing = torch.compiler.is_dynamo_compiling
-
-    @functools.wraps(call_impl)
-    def _call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True  # pytest: a plain run has no such frame
-        # Inside a trace: record nothing, break no graph. Asked first: id(self)
-        # would make the trace guard on this very module, and recompile for the next.
-        if is_tracing():
-            return call_impl(self, *args, **kwargs)
-        if adopters:
-            _adopt(self)
-        routes = roots.get(id(self))
-        if routes is None or is_compiling():
-            return call_impl(self, *args, **kwargs)
-        live = []
-        for module_ref, watcher_ref, name in routes:
-            w = watcher_ref()
-            if module_ref() is self and w is not None and not w._closed:
-                live.append((w, name))
-        for w, name in live:
-            w._on_forward(name, True)
-        try:
-            return call_impl(self, *args, **kwargs)
-        finally:
-            for w, name in live:
-                if not w._closed:
-                    w._on_forward(name, False)
-
-    return _call_impl
+# Folded to True inside a torch.compile trace, and three times cheaper than
+# is_compiling(), which also covers torch.export and is asked only for roots.
+_is_tracing: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling",
+                                          torch.compiler.is_compiling)
 
 
-def _adopt(module: nn.Module) -> None:
+class _Route:
+    """``nn.Module._compiled_call_impl`` while a watcher is open.
+
+    A non-data descriptor: ``module.compile()`` still sets the instance's own.
+    """
+
+    __slots__ = ()
+
+    def __get__(self, module: nn.Module | None, owner: type | None = None) -> Any:
+        # Inside a trace: nothing to record, and id(module) would make the
+        # trace guard on this very module, and recompile for the next one.
+        if module is None or _is_tracing():
+            return None
+        key = id(module)
+        if key in _ROOTS:
+            return functools.partial(_call, module)
+        for ref in _ADOPTERS:
+            w = ref()
+            if w is not None and key not in w._seen and not w._closed:
+                return functools.partial(_call, module)
+        return None
+
+
+def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What ``nn.Module.__call__`` runs for a watched root: its forward, recorded."""
+    __tracebackhide__ = True  # pytest: a plain run has no such frame
+    call_impl: Callable[..., Any] = module._call_impl
+    if torch.compiler.is_compiling():  # torch.export
+        return call_impl(*args, **kwargs)
     for ref in _ADOPTERS:
         w = ref()
-        if w is not None and id(module) not in w._seen and not w._closed and not (
-                torch.compiler.is_compiling()):
+        if w is not None and id(module) not in w._seen and not w._closed:
             w._adopt_root(module)
+    routes = _ROOTS.get(id(module))
+    live = []
+    for module_ref, watcher_ref, name in routes or ():
+        w = watcher_ref()
+        if module_ref() is module and w is not None and not w._closed:
+            live.append((w, name))
+    for w, name in live:
+        w._on_forward(name, True)
+    try:
+        return call_impl(*args, **kwargs)
+    finally:
+        for w, name in live:
+            if not w._closed:
+                w._on_forward(name, False)
 
 
 def install() -> None:
-    """Wrap ``nn.Module._call_impl`` (process-wide, until :func:`uninstall`)."""
-    original = vars(nn.Module)["_call_impl"]
-    _ORIGINAL.append(original)
-    nn.Module._call_impl = _wrap(original)  # type: ignore[method-assign]
+    """Route module calls through :class:`_Route` (process-wide, until :func:`uninstall`)."""
+    _ORIGINAL.append(vars(nn.Module)["_compiled_call_impl"])
+    route: Any = _Route()  # the attribute is typed as a callable, which a descriptor is not
+    nn.Module._compiled_call_impl = route
 
 
 def uninstall() -> None:
     if _ORIGINAL:
-        nn.Module._call_impl = _ORIGINAL.pop()  # type: ignore[method-assign]
+        nn.Module._compiled_call_impl = _ORIGINAL.pop()
