@@ -181,20 +181,23 @@ def test_a_compiled_module_is_named_as_the_user_writes_it():
     assert set(versionwatch._naming.resolve_names(outer).values()) == {"enc.weight", "enc.bias"}
 
 
-def test_a_compiled_function_is_not_recompiled_for_each_module_under_a_watch():
+def test_a_compiled_function_is_not_recompiled_for_each_module_nor_after_a_watch():
     torch._dynamo.reset()
 
     def f(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return m(x).sum()
 
     g = torch.compile(f, backend="eager", fullgraph=True)
+    a, b = mlp(), mlp()
     with versionwatch.watch_all():
-        a, b = mlp(), mlp()
         g(a, torch.ones(2, 4))
         with torch._dynamo.config.patch(error_on_recompile=True):
             # The forward route asks is_dynamo_compiling() before id(module),
             # which would make the trace guard on the first module.
             assert torch.equal(g(b, torch.ones(2, 4)), f(b, torch.ones(2, 4)))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        # Nor is the code compiled inside the watch stale once it closed.
+        assert torch.equal(g(a, torch.ones(2, 4)), f(a, torch.ones(2, 4)))
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
