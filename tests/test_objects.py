@@ -16,6 +16,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -195,6 +196,11 @@ def test_a_compiled_function_is_not_recompiled_for_each_module_nor_after_a_watch
             # The forward route asks is_dynamo_compiling() before id(module),
             # which would make the trace guard on the first module.
             assert torch.equal(g(b, torch.ones(2, 4)), f(b, torch.ones(2, 4)))
+        # No global module hook either, which makes torch.compile'd modules warn.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cm = torch.compile(mlp(), backend="eager")
+            cm(torch.ones(2, 4))
     with torch._dynamo.config.patch(error_on_recompile=True):
         # Nor is the code compiled inside the watch stale once it closed.
         assert torch.equal(g(a, torch.ones(2, 4)), f(a, torch.ones(2, 4)))
