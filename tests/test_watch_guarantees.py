@@ -22,6 +22,8 @@ from versionwatch import InplaceModificationError
 ORIGINAL_BACKWARD = torch.autograd.backward
 ORIGINAL_GRAD = torch.autograd.grad
 ORIGINAL_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+ORIGINAL_CALL_IMPL = vars(nn.Module)["_call_impl"]
+ORIGINAL_COMPILED_CALL_IMPL = vars(nn.Module)["_compiled_call_impl"]
 
 
 @pytest.fixture(autouse=True)
@@ -36,6 +38,8 @@ def assert_unpatched() -> None:
     assert torch.autograd.backward is ORIGINAL_BACKWARD
     assert torch.autograd.grad is ORIGINAL_GRAD
     assert torch.optim.Optimizer.zero_grad is ORIGINAL_ZERO_GRAD
+    assert vars(nn.Module)["_call_impl"] is ORIGINAL_CALL_IMPL
+    assert vars(nn.Module)["_compiled_call_impl"] is ORIGINAL_COMPILED_CALL_IMPL
     assert not optim_mod._global_optimizer_pre_hooks
     assert not optim_mod._global_optimizer_post_hooks
 
@@ -310,7 +314,10 @@ def test_everything_is_removed_on_exit(how: str):
             assert torch.optim.Optimizer.zero_grad is not ORIGINAL_ZERO_GRAD
             assert optim_mod._global_optimizer_pre_hooks
             assert optim_mod._global_optimizer_post_hooks
-            assert model._forward_hooks and model._forward_pre_hooks
+            # Forwards are seen through a class attribute of nn.Module, not by
+            # hooks that a copy, a pickle or a script of the model would carry.
+            assert vars(nn.Module)["_compiled_call_impl"] is not ORIGINAL_COMPILED_CALL_IMPL
+            assert_no_module_hooks(model)
             loss = model(torch.randn(8, 4)).sum()
             if how == "exception":
                 raise Boom
@@ -381,7 +388,7 @@ def test_nested_watchers_on_two_models():
             assert [m.description for m in h.modified_by] == ["SGD.step() #1"]
         assert inner._closed and not outer._closed
         assert_no_module_hooks(inner_model)
-        assert outer_model._forward_hooks and outer_model._forward_pre_hooks
+        assert vars(nn.Module)["_compiled_call_impl"] is not ORIGINAL_COMPILED_CALL_IMPL
         assert torch.autograd.backward is not ORIGINAL_BACKWARD
         assert optim_mod._global_optimizer_pre_hooks
         loss = stale_loss(outer_model, outer_opt)

@@ -1,21 +1,19 @@
 """Zero-code watching: every module and optimizer a program creates.
 
-A global forward pre-hook (``torch.nn.modules.module``) adopts each module the
-first time it runs outside any adopted module: that module is a root. Its
-submodules are remembered, so the hook's steady-state cost is one set lookup
-per module call. Optimizers are adopted by the watcher's global step hooks the
-first time they step a watched parameter.
+The forward route (:mod:`versionwatch._forward`) offers each module call to the
+watcher, which adopts a module the first time it runs outside any adopted
+module: that module is a root. Its submodules are remembered, so the
+steady-state cost is one set lookup per module call. Optimizers are adopted by
+the watcher's global step hooks the first time they step a watched parameter.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 from torch import nn
-from torch.nn.modules.module import register_module_forward_pre_hook
 
-from versionwatch._compat import is_compiling
+from versionwatch import _forward
 from versionwatch._config import Policy
 from versionwatch._watch import Watcher, _variable_name
 
@@ -29,17 +27,10 @@ class AutoWatcher(Watcher):
     def __init__(self, on_hazard: Policy = "raise", strict: bool = False,
                  stop_at_write: bool = False) -> None:
         super().__init__({}, (), on_hazard, strict=strict, stop_at_write=stop_at_write)
-        self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        ref = weakref.ref(self)
-
-        def hook(module: nn.Module, args: Any) -> None:
-            if is_compiling():
-                return  # a module called inside a torch.compile trace
-            w = ref()
-            if w is not None and not w._closed and module not in w._seen:
-                w._adopt_root(module)
-
-        self._handles.append(register_module_forward_pre_hook(hook))
+        # id -> weak reference of every module adopted or skipped: asked at each
+        # module call, where a WeakSet's lookup cost four times as much.
+        self._seen: dict[int, weakref.ref[nn.Module]] = {}
+        self._handles.append(_forward.add_adopter(self))
 
     def _label(self, root: str, n: int) -> str:
         # Roots appear one by one here, so labels always carry the root's name.
@@ -47,7 +38,7 @@ class AutoWatcher(Watcher):
 
     def _adopt_root(self, module: nn.Module) -> None:
         if next(module.parameters(), None) is None and next(module.buffers(), None) is None:
-            self._seen.add(module)  # a loss function: nothing to watch
+            self._see(module)  # a loss function: nothing to watch
             return
         name = _variable_name(module, 2)
         taken = set(self._roots)
@@ -56,11 +47,17 @@ class AutoWatcher(Watcher):
             k += 1
             unique = f"{name}{k}"
         for sub in module.modules():
-            self._seen.add(sub)
+            self._see(sub)
         self._add_root(unique, module)
-        # The global hook runs before the module's own hooks were registered, so
-        # this first call's forward event is recorded here.
-        self._on_forward(unique, True)
+
+    def _see(self, module: nn.Module) -> None:
+        seen, key = self._seen, id(module)
+
+        def forget(ref: weakref.ref[nn.Module]) -> None:
+            if seen.get(key) is ref:  # its id may be reused by a module not seen yet
+                del seen[key]
+
+        seen[key] = weakref.ref(module, forget)
 
 
 def watch_all(on_hazard: Policy = "raise", strict: bool = False,

@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_FORWARD_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_forward.py")
+
+
 def _print_uncaught(err: BaseException) -> None:
     """Print ``err`` as Python prints an uncaught exception: with ``sys.excepthook``.
 
@@ -75,6 +78,8 @@ def _print_uncaught(err: BaseException) -> None:
         name = tb.tb_frame.f_code.co_filename
         if not (name.endswith("runpy.py") or "<frozen runpy>" in name
                 or os.path.abspath(name) == os.path.abspath(__file__)
+                # The forward route's frame between torch's own: not in a plain run.
+                or os.path.abspath(name) == _FORWARD_FILE
                 or (ours and is_library(name))):
             kept.append(tb)
         tb = tb.tb_next

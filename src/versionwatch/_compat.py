@@ -53,6 +53,11 @@ is_compiling: Callable[[], bool] = getattr(
     getattr(torch, "compiler", None), "is_compiling", _is_compiling_fallback)
 """Whether dynamo is tracing the caller (our hooks stay out of traces)."""
 
+is_tracing: Callable[[], bool] = getattr(
+    getattr(torch, "compiler", None), "is_dynamo_compiling", is_compiling)
+"""Folded to True inside a torch.compile trace, and three times cheaper than
+:func:`is_compiling`, which also covers torch.export."""
+
 
 UNREAD = object()
 """What :func:`peek` returns when strict's records came back but the value did not."""

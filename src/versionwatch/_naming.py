@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Union
 
@@ -15,14 +16,39 @@ def module_tensors(module: nn.Module, prefix: str = "") -> dict[int, tuple[str, 
     """``id(tensor) -> (qualified name, tensor)`` for a module's parameters and buffers.
 
     A parameter shared by two submodules keeps its first name, as
-    ``named_parameters()`` reports it.
+    ``named_parameters()`` reports it. Names are the ones users write: ``cm.weight``
+    for ``torch.compile``'s ``cm._orig_mod.weight``.
     """
+    compiled = _compiled_paths(module)
     out: dict[int, tuple[str, torch.Tensor]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
-        out.setdefault(id(p), (prefix + name, p))
+        out.setdefault(id(p), (prefix + _user_name(name, compiled), p))
     for name, b in module.named_buffers(remove_duplicate=False):
-        out.setdefault(id(b), (prefix + name, b))
+        out.setdefault(id(b), (prefix + _user_name(name, compiled), b))
     return out
+
+
+def _compiled_paths(module: nn.Module) -> frozenset[str]:
+    """The paths (``enc._orig_mod``) of the modules that ``torch.compile`` wrapped."""
+    # Loaded by torch.compile itself: no OptimizedModule exists before.
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    cls = getattr(frame, "OptimizedModule", None)
+    if cls is None:
+        return frozenset()
+    return frozenset(
+        f"{qual}._orig_mod" if qual else "_orig_mod"
+        for qual, sub in module.named_modules(remove_duplicate=False) if isinstance(sub, cls)
+    )
+
+
+def _user_name(name: str, compiled: frozenset[str]) -> str:
+    # An OptimizedModule forwards attribute access to the module it wraps, so
+    # users write cm.weight: drop the _orig_mod segments of wrapped modules.
+    if not compiled or "_orig_mod" not in name:
+        return name
+    parts = name.split(".")
+    return ".".join(part for i, part in enumerate(parts)
+                    if part != "_orig_mod" or ".".join(parts[:i + 1]) not in compiled)
 
 
 def resolve_names(names: Names | None) -> dict[int, str]:

@@ -3,9 +3,10 @@
 While a watcher is open, every ``Tensor.backward``, ``torch.autograd.backward``
 and ``torch.autograd.grad`` call is predicted before it runs (these three cover
 GradScaler, Accelerate's ``accelerator.backward`` and Lightning's manual
-backward, which all end in ``torch.autograd.backward``). Root-module forward
-hooks, optimizer step hooks and ``zero_grad`` feed the :class:`Ledger`, which
-turns a hazard's two version numbers into the events that moved them.
+backward, which all end in ``torch.autograd.backward``). Root-module forwards
+(seen by :mod:`versionwatch._forward`), optimizer step hooks and ``zero_grad``
+feed the :class:`Ledger`, which turns a hazard's two version numbers into the
+events that moved them.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from versionwatch import _strict
+from versionwatch import _forward, _strict
 from versionwatch._call import BadCall, read_once, rejected
-from versionwatch._compat import SAVED_INTROSPECTION, is_compiling
+from versionwatch._compat import SAVED_INTROSPECTION
 from versionwatch._config import Policy, resolve_policy
 from versionwatch._errors import InplaceHazardWarning
 from versionwatch._explain import fix_for
@@ -153,6 +154,7 @@ def _install() -> None:
     autograd.backward = _backward
     autograd.grad = _grad
     Optimizer.zero_grad = _zero_grad  # type: ignore[method-assign]
+    _forward.install()
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
         register_optimizer_step_pre_hook,
@@ -170,6 +172,7 @@ def _uninstall() -> None:
     autograd.backward = _ORIGINAL["backward"]
     autograd.grad = _ORIGINAL["grad"]
     Optimizer.zero_grad = _ORIGINAL["zero_grad"]  # type: ignore[method-assign]
+    _forward.uninstall()
     while _GLOBAL_HANDLES:
         _GLOBAL_HANDLES.pop().remove()
 
@@ -221,7 +224,10 @@ def _match_ledger(h: Hazard, scope: list[Watcher]) -> None:
         h.tensor, h.key, h.requires_grad = tr.name, key, t.requires_grad
 
 
-_Pending = tuple[str, Optional[Site], list[tuple[torch.Tensor, int]], dict[int, str]]
+# The step's label, site, (param, version before) of the params it may update,
+# and notes. Params are held weakly: a step that raised never clears it.
+_Pending = tuple[str, Optional[Site], list[tuple["weakref.ref[torch.Tensor]", int]],
+                 dict[int, str]]
 
 
 class _OptimizerState:
@@ -233,8 +239,10 @@ class _OptimizerState:
         self.steps = 0
         self.pending: _Pending | None = None
         # (ids of each group's params, watched params, their Tracked): reused
-        # while the param groups hold the same tensors.
-        self.params: tuple[list[list[int]], list[torch.Tensor], list[Tracked | None]] | None = None
+        # while the param groups hold the same tensors. Weak: an open watcher
+        # must not keep a deleted model's parameters alive.
+        self.params: tuple[list[list[int]], list[weakref.ref[torch.Tensor]],
+                           list[Tracked | None]] | None = None
 
 
 _NO_GRAD = (True, None, 0)  # the grad mark after zero_grad(set_to_none=True)
@@ -271,7 +279,7 @@ class Watcher:
         self._names: dict[int, str] = {}
         self._roots: dict[str, weakref.ref[nn.Module]] = {}
         self._forwards: dict[str, int] = {}
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle | _forward.Handle] = []
         self._optimizers: dict[int, _OptimizerState] = {}
         self._silent: dict[int, int] = {}
         self._backwards = 0
@@ -286,6 +294,14 @@ class Watcher:
                         "give each module once"
                     )
                 seen[id(module)] = name
+                if isinstance(module, torch.jit.ScriptModule):
+                    raise TypeError(
+                        f"watch() cannot watch {name!r}, a ScriptModule (the output of "
+                        "torch.jit.script or torch.jit.trace): TorchScript's differentiable "
+                        "graphs hide the tensors they save for backward, so no backward "
+                        "through it can be predicted. Watch the module you scripted and run "
+                        "it instead of the script (they share their parameters)"
+                    )
                 for other in _ACTIVE:
                     if any(r() is module for r in other._roots.values()):
                         raise ValueError(
@@ -317,22 +333,7 @@ class Watcher:
             if key not in self._names:
                 self._names[key] = qual
                 self.ledger.track(qual, t)
-        self._handles.append(module.register_forward_pre_hook(self._forward_hook(name, True)))
-        self._handles.append(
-            module.register_forward_hook(self._forward_hook(name, False), always_call=True)
-        )
-
-    def _forward_hook(self, root: str, pre: bool) -> Callable[..., None]:
-        ref = weakref.ref(self)
-
-        def hook(module: nn.Module, *args: Any) -> None:
-            if is_compiling():
-                return  # inside a torch.compile trace: record nothing, break no graph
-            w = ref()
-            if w is not None and not w._closed:
-                w._on_forward(root, pre)
-
-        return hook
+        self._handles.append(_forward.add_root(module, self, name))
 
     def _label(self, root: str, n: int) -> str:
         return f"forward #{n}" if len(self._roots) == 1 else f"{root}.forward #{n}"
@@ -371,7 +372,11 @@ class Watcher:
         state = self._optimizers.get(id(opt))
         ids = [list(map(id, g["params"])) for g in opt.param_groups]
         if state is not None and state.params is not None and state.params[0] == ids:
-            return state.params[1], state.params[2]
+            params = [r() for r in state.params[1]]
+            # The same ids, and the groups hold tensors with these ids alive:
+            # only a dead one's id reused breaks the cache.
+            if not any(p is None for p in params):
+                return cast("list[torch.Tensor]", params), state.params[2]
         out = []
         complete = True
         for g in opt.param_groups:
@@ -384,7 +389,7 @@ class Watcher:
                     complete = False  # try to adopt it again next time
         trs = [self.ledger.tracked.get(id(p)) for p in out]
         if state is not None and state.ref() is opt and complete:
-            state.params = (ids, out, trs)
+            state.params = (ids, [weakref.ref(p) for p in out], trs)
         return out, trs
 
     def _adopt(self, p: torch.Tensor) -> None:
@@ -460,7 +465,7 @@ class Watcher:
             g = p.grad
             if g is None:
                 continue
-            touched.append((p, p._version))
+            touched.append((weakref.ref(p), p._version))
             if tr is None:
                 continue
             mark = tr.grad_mark
@@ -496,8 +501,9 @@ class Watcher:
         if any(g.get("fused") for g in opt.param_groups):
             # Fused kernels update parameters in place without bumping _version.
             clock = None
-            for p, v in touched:
-                if p._version == v:
+            for ref, v in touched:
+                p = ref()
+                if p is not None and p._version == v:
                     clock = clock if clock is not None else _seq_clock()
                     self._silent[id(p)] = clock
                     self.ledger.silent(
@@ -747,6 +753,12 @@ def watch(
 
     Returns:
         A :class:`Watcher`, active until closed; use it as a context manager.
+
+    Raises:
+        TypeError: ``modules`` is not a module or a dict of them, or one is a
+            ScriptModule (watch the module it was scripted from).
+        ValueError: a module is given twice or already watched, or an optimizer
+            steps none of the watched parameters.
 
     Example:
         >>> import torch, versionwatch
