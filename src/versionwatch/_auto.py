@@ -17,6 +17,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 
 from versionwatch._compat import is_compiling
 from versionwatch._config import Policy
+from versionwatch._functorch import in_functorch_transform
 from versionwatch._watch import Watcher, _variable_name
 
 
@@ -33,8 +34,10 @@ class AutoWatcher(Watcher):
         ref = weakref.ref(self)
 
         def hook(module: nn.Module, args: Any) -> None:
-            if is_compiling():
-                return  # a module called inside a torch.compile trace
+            if is_compiling() or in_functorch_transform():
+                # A module called inside a torch.compile trace, or inside torch.func
+                # (functional_call has swapped its parameters for wrappers).
+                return
             w = ref()
             if w is not None and not w._closed and module not in w._seen:
                 w._adopt_root(module)

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
+import torch.jit._builtins as _builtins
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -29,6 +30,7 @@ from versionwatch._compat import SAVED_INTROSPECTION, is_compiling
 from versionwatch._config import Policy, resolve_policy
 from versionwatch._errors import InplaceHazardWarning
 from versionwatch._explain import fix_for
+from versionwatch._functorch import in_functorch_transform
 from versionwatch._ledger import Ledger, Tracked
 from versionwatch._naming import module_tensors
 from versionwatch._predict import _VERSION_RE, predict, raise_for
@@ -107,6 +109,9 @@ def _patched(api: str, first: str, inputs_at: int) -> Callable[..., Any]:
             return original(*args, **kwargs)
         outputs = args[0] if args else kwargs.get(first)
         inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
+        if in_functorch_transform(outputs, inputs):
+            w._step_aside()
+            return original(*args, **kwargs)
         return w._run_backward(api, outputs, inputs, lambda: original(*args, **kwargs))
 
     patched.__name__ = patched.__qualname__ = api
@@ -138,6 +143,12 @@ def _step_post(opt: Optimizer, args: Any, kwargs: Any) -> None:
         w._on_step_post(opt)
 
 
+def _jit_builtins() -> dict[int, str]:
+    """TorchScript's table of Python functions it compiles as aten ops, by ``id``."""
+    table: dict[int, str] = _builtins._get_builtin_table()  # type: ignore[no-untyped-call]
+    return table
+
+
 def _install() -> None:
     import torch.autograd as autograd
 
@@ -147,6 +158,11 @@ def _install() -> None:
     autograd.backward = _backward
     autograd.grad = _grad
     Optimizer.zero_grad = _zero_grad  # type: ignore[method-assign]
+    # TorchScript compiles torch.autograd.grad/backward to aten ops found by the
+    # identity of the function it sees: ours must map to the same ops.
+    table = _jit_builtins()
+    table[id(_backward)] = "aten::backward"
+    table[id(_grad)] = "aten::grad"
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
         register_optimizer_step_pre_hook,
@@ -164,12 +180,19 @@ def _uninstall() -> None:
     autograd.backward = _ORIGINAL["backward"]
     autograd.grad = _ORIGINAL["grad"]
     Optimizer.zero_grad = _ORIGINAL["zero_grad"]  # type: ignore[method-assign]
+    table = _jit_builtins()
+    table.pop(id(_backward), None)
+    table.pop(id(_grad), None)
     while _GLOBAL_HANDLES:
         _GLOBAL_HANDLES.pop().remove()
 
 
 def _seq_clock() -> int:
     """The autograd sequence number now: nodes made before have a smaller one."""
+    if torch.is_inference_mode_enabled():
+        # An inference tensor records no node; the counter is the same outside.
+        with torch.inference_mode(False):
+            return _seq_clock()
     with torch.enable_grad():
         probe = torch.empty(0, requires_grad=True).view(0)
     fn = probe.grad_fn
@@ -246,6 +269,7 @@ class Watcher:
     """
 
     _kept_grads = False  # set once a zero_grad(set_to_none=False) left grad marks
+    _stepped_aside = False  # set once a torch.func transform ran unwatched
 
     def __init__(
         self,
@@ -322,6 +346,8 @@ class Watcher:
         def hook(module: nn.Module, *args: Any) -> None:
             if is_compiling():
                 return  # inside a torch.compile trace: record nothing, break no graph
+            if in_functorch_transform():
+                return  # torch.func's forward: its graph is not ours to watch
             w = ref()
             if w is not None and not w._closed:
                 w._on_forward(root, pre)
@@ -539,6 +565,14 @@ class Watcher:
             _LOCAL.busy = False
             if not ended:
                 self._end_backward(n)
+
+    def _step_aside(self) -> None:
+        """A backward inside a ``torch.func`` transform runs unpredicted: say so once."""
+        if not self._stepped_aside:
+            self._stepped_aside = True
+            logger.debug("versionwatch: backward inside a torch.func transform (grad, vjp, "
+                         "jacrev, hessian, vmap) runs unpredicted: its tensors are functorch "
+                         "wrappers; backwards outside transforms are predicted as usual")
 
     def _end_backward(self, n: int) -> None:
         self.ledger.record("backward_end", f"backward #{n}", None,
