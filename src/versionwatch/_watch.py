@@ -29,7 +29,7 @@ from versionwatch import _strict
 from versionwatch._compat import SAVED_INTROSPECTION, is_compiling
 from versionwatch._config import Policy, resolve_policy
 from versionwatch._errors import InplaceHazardWarning
-from versionwatch._explain import fix_for
+from versionwatch._explain import fix_for, render_report
 from versionwatch._functorch import in_functorch_transform
 from versionwatch._ledger import Ledger, Tracked
 from versionwatch._naming import module_tensors
@@ -622,7 +622,9 @@ class Watcher:
     def _after_error(self, err: RuntimeError, report: Report | None, site: Site | None) -> None:
         msg = str(err)
         if report is not None and not report.ok:
-            _add_note(err, f"versionwatch predicted this before backward ran:\n{report}")
+            # PyTorch's own error is right above the note: no need to repeat it.
+            text = render_report(report, torch_message=False)
+            _add_note(err, f"versionwatch predicted this before backward ran:\n{text}")
             return
         m = _VERSION_RE.search(msg)
         if m is None:
@@ -650,9 +652,11 @@ class Watcher:
                 if not h.modified_by:
                     self.ledger.blame(h, key)
         h.fix = fix_for(h)
+        h.torch_message = msg
         late = Report(hazards=[h], backward_site=site)
         self.reports.append(late)
-        _add_note(err, f"versionwatch explains (PyTorch raised, unpredicted):\n{late}")
+        text = render_report(late, torch_message=False)
+        _add_note(err, f"versionwatch explains (PyTorch raised, unpredicted):\n{text}")
 
     # -- public ----------------------------------------------------------------------
     def timeline(self, *names: str, report: Report | None = None) -> Timeline:
