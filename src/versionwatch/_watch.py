@@ -753,6 +753,11 @@ def watch(
 ) -> Watcher:
     """Watch modules (and optimizers): predict and explain every backward.
 
+    Inside ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``, ``hessian``,
+    ``vmap``) the watcher steps aside: their forwards and backwards run as
+    unwatched, unpredicted, which the ``versionwatch`` logger says once, at
+    debug level.
+
     Args:
         modules: one ``nn.Module`` (named after the variable that holds it, e.g.
             ``model``, else its class), or a dict of named modules (``{"G": gen}``
