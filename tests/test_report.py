@@ -172,3 +172,13 @@ def test_strict_unpack_raises_pytorchs_exact_error(case: str, anomaly: bool):
     assert str(info.value) == expected
     hint = "Good luck!" if anomaly else "set_detect_anomaly(True"
     assert hint in str(info.value)
+
+
+def test_wording_fallback_is_a_template():
+    """Where the running torch's words cannot be probed, torch 2.13's stand in."""
+    from versionwatch import _torchtext
+
+    tpl = _torchtext._parse(_torchtext._FALLBACK)
+    assert tpl is not None and tpl.clause == (", which is output ", ",")
+    assert not tpl.full_names and tpl.hint.startswith(" Hint: enable anomaly detection")
+    assert _torchtext._parse("some other words entirely") is None

@@ -62,7 +62,10 @@ def _probe() -> str | None:
             pass
 
     t = threading.Thread(target=run, name="versionwatch-wording", daemon=True)
-    t.start()
+    try:
+        t.start()
+    except RuntimeError:  # no new thread at interpreter shutdown
+        return None
     t.join()
     return said[0] if said else None
 
