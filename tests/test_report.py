@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 
+import pytest
 import torch
 from torch import nn
 
@@ -24,9 +26,19 @@ def _seed_like():
     return m, loss
 
 
+def _pytorch_says(loss: torch.Tensor) -> str:
+    """What the real backward raises: the sentence the report must carry verbatim."""
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError("backward did not fail")
+
+
 def test_render_exact():
     m, loss = _seed_like()
-    assert str(versionwatch.check(loss, names=m)) == "\n".join([
+    text = str(versionwatch.check(loss, names=m))
+    assert text == "\n".join([
         "versionwatch: backward will fail: w3 saved by MulBackward0 was modified by an "
         "inplace operation",
         "  tensor    w3 (float32[1])",
@@ -35,7 +47,9 @@ def test_render_exact():
         "  fix       run every backward that needs w3 before optimizer.step() (or sum the "
         "losses and call backward once), or re-run the forward after step(); any in-place "
         "update under torch.no_grad() counts as well",
+        "  pytorch   " + _pytorch_says(loss),
     ])
+    assert "[torch.FloatTensor [1]] is at version 1; expected version 0 instead. Hint: " in text
 
 
 def test_render_safe():
@@ -55,6 +69,7 @@ def test_json_schema_fields():
                        "modified_by": []}.items():
         assert h[key] == value, key
     assert h["fix"].startswith("run every backward")
+    assert h["torch_message"] == _pytorch_says(loss)
 
 
 def test_report_holds_no_tensor():
@@ -77,3 +92,88 @@ def test_html_reprs_for_notebooks():
     table = w.timeline()._repr_html_()
     assert table.startswith("<table>") and "<th>model.0.weight</th>" in table
     assert "<td>forward #1</td>" in table and "<td>backward #1</td>" in table
+
+
+# --- PyTorch's own sentence, verbatim -------------------------------------------------
+
+def _output_modified() -> torch.Tensor:
+    x = torch.ones(3, requires_grad=True)
+    y = x.sigmoid()
+    y.add_(1)
+    return y.sum()
+
+
+def _parameter_stepped() -> torch.Tensor:
+    m = nn.Linear(3, 2)
+    loss = m(torch.ones(4, 3, requires_grad=True)).pow(2).sum()
+    with torch.no_grad():
+        m.weight.add_(1)  # what optimizer.step() does
+    return loss
+
+
+def _freed() -> torch.Tensor:
+    x = torch.ones(3, requires_grad=True)
+    loss = (x * x).sum()
+    loss.backward()
+    return loss
+
+
+CASES = {"output_modified": _output_modified, "parameter_stepped": _parameter_stepped,
+         "freed": _freed}
+
+
+def _plain_error(case: str) -> str:
+    torch.manual_seed(0)
+    return _pytorch_says(CASES[case]())
+
+
+@pytest.mark.filterwarnings("ignore:Error detected in:UserWarning",
+                            "ignore:Anomaly Detection has been enabled:UserWarning")
+@pytest.mark.parametrize("anomaly", [False, True], ids=["plain", "anomaly"])
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_raised_error_carries_pytorchs_sentence(case: str, strict: bool, anomaly: bool):
+    """What matches PyTorch's error (pytest.raises(match=...), a log search) matches ours."""
+    with torch.autograd.set_detect_anomaly(anomaly):
+        expected = _plain_error(case)
+        with versionwatch.watch_all(strict=strict):
+            torch.manual_seed(0)
+            loss = CASES[case]()
+            with pytest.raises(RuntimeError, match=re.escape(expected)) as info:
+                loss.backward()
+    assert type(info.value).__name__ == (
+        "FreedGraphError" if case == "freed" else "InplaceModificationError")
+    h = info.value.report.hazards[0]  # type: ignore[attr-defined]
+    assert h.torch_message == expected
+    assert str(info.value).startswith("versionwatch: backward will fail")
+    assert f"\n  pytorch      {expected}\n" in str(info.value) + "\n"
+    assert json.loads(info.value.report.to_json())["hazards"][0]["torch_message"] == expected  # type: ignore[attr-defined]
+
+
+@pytest.mark.filterwarnings("ignore:Error detected in:UserWarning",
+                            "ignore:Anomaly Detection has been enabled:UserWarning")
+@pytest.mark.parametrize("anomaly", [False, True], ids=["plain", "anomaly"])
+@pytest.mark.parametrize("case", ["output_modified", "parameter_stepped"])
+def test_strict_unpack_raises_pytorchs_exact_error(case: str, anomaly: bool):
+    """Behind strict mode's hooks PyTorch checks nothing: ours must say what it would."""
+    with torch.autograd.set_detect_anomaly(anomaly):
+        expected = _plain_error(case)
+        with versionwatch.watch_all(strict=True, on_hazard=lambda report: None):
+            torch.manual_seed(0)
+            loss = CASES[case]()
+            with pytest.raises(RuntimeError) as info:
+                loss.backward()
+    assert type(info.value) is RuntimeError
+    assert str(info.value) == expected
+    hint = "Good luck!" if anomaly else "set_detect_anomaly(True"
+    assert hint in str(info.value)
+
+
+def test_wording_fallback_is_a_template():
+    """Where the running torch's words cannot be probed, torch 2.13's stand in."""
+    from versionwatch import _torchtext
+
+    tpl = _torchtext._parse(_torchtext._FALLBACK)
+    assert tpl is not None and tpl.clause == (", which is output ", ",")
+    assert not tpl.full_names and tpl.hint.startswith(" Hint: enable anomaly detection")
+    assert _torchtext._parse("some other words entirely") is None

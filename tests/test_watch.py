@@ -256,7 +256,12 @@ def test_warn_points_at_the_users_backward_and_pytorch_error_gets_a_note():
     notes = getattr(err, "__notes__", [])
     assert len(notes) == 1
     assert notes[0].startswith("versionwatch predicted this before backward ran:")
-    assert str(w.reports[-1]) in notes[0]
+    # The report, less PyTorch's sentence, which the error itself says right above.
+    report = str(w.reports[-1])
+    assert report.endswith("\n  pytorch      " + str(ref.value))
+    assert report[:report.rindex("\n  pytorch")] in notes[0]
+    assert PYTORCH_PHRASE not in notes[0]
+    assert str(ref.value) in str(warning.message)  # the warning carries it
     assert "model.2.weight" in notes[0]
 
 

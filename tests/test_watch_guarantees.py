@@ -4,6 +4,7 @@ leaves nothing behind when it closes, however it closes.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
@@ -42,6 +43,10 @@ def assert_unpatched() -> None:
     assert vars(nn.Module)["_compiled_call_impl"] is ORIGINAL_COMPILED_CALL_IMPL
     assert not optim_mod._global_optimizer_pre_hooks
     assert not optim_mod._global_optimizer_post_hooks
+    from versionwatch import _watch
+
+    table = torch.jit._builtins._get_builtin_table()
+    assert id(_watch._backward) not in table and id(_watch._grad) not in table
 
 
 def assert_no_module_hooks(model: nn.Module) -> None:
@@ -444,3 +449,111 @@ def test_two_watchers_in_two_threads():
         assert all(tr.name.startswith(f"{name}.") for tr in w.ledger.tracked.values())
         assert sum(ev.kind == "backward" for ev in w.ledger.events) == steps[name] + 2
         assert sum(ev.kind == "step" for ev in w.ledger.events) == steps[name] + 1
+
+
+# --- 7. transparency: inference mode, torch.func, TorchScript ------------------------
+
+def test_inference_mode_with_enable_grad_inside():
+    def run(watched: bool) -> tuple[torch.Tensor, bool, bool]:
+        torch.manual_seed(0)
+        model = mlp()
+        with versionwatch.watch(model) if watched else contextlib.nullcontext():
+            with torch.inference_mode(), torch.enable_grad():
+                out = model(torch.ones(2, 4))
+            again = model(torch.ones(2, 4))  # the watcher still records forwards after
+        return out, out.requires_grad, again.requires_grad
+
+    plain, watched = run(False), run(True)
+    assert torch.equal(plain[0], watched[0]) and plain[1:] == watched[1:]
+
+
+TRANSFORMS = ["grad", "vjp", "jacrev", "hessian", "vmap_grad", "vmap_functional_call"]
+
+
+def _transform(name: str, model: nn.Module, x: torch.Tensor) -> Any:
+    from torch.func import functional_call, grad, hessian, jacrev, vjp, vmap
+
+    params = dict(model.named_parameters())
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (x,)).pow(2).sum()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return model(x).sum()
+
+    if name == "grad":
+        return grad(loss)(params, x)
+    if name == "vjp":
+        return vjp(f, x)[1](torch.tensor(1.0))
+    if name == "jacrev":
+        return jacrev(f)(x)
+    if name == "hessian":
+        return hessian(f)(x[0])
+    if name == "vmap_grad":
+        return vmap(grad(f))(x)
+    return vmap(lambda xi: functional_call(model, params, (xi,)))(x)
+
+
+@pytest.mark.parametrize("name", TRANSFORMS)
+def test_torch_func_transforms_run_as_unwatched(name: str, caplog: pytest.LogCaptureFixture):
+    torch.manual_seed(0)
+    model, x = mlp(), torch.randn(3, 4)
+    plain = _transform(name, model, x)
+    with caplog.at_level("DEBUG", logger="versionwatch"):
+        with versionwatch.watch(model) as w:
+            watched = _transform(name, model, x)
+            _transform(name, model, x)
+            # Outside the transform the watcher is back: a stale backward is caught.
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with pytest.raises(InplaceModificationError):
+                stale_loss(model, opt).backward()
+    flat_plain, _ = torch.utils._pytree.tree_flatten(plain)
+    flat_watched, _ = torch.utils._pytree.tree_flatten(watched)
+    assert len(flat_plain) == len(flat_watched)
+    assert all(torch.equal(a, b) for a, b in zip(flat_plain, flat_watched))
+    # No forward or backward of the transforms reached the ledger: only the stale story.
+    assert [ev.label for ev in w.ledger.events if ev.kind in ("forward", "backward")] == [
+        "forward #1", "backward #1", "backward #2"]
+    said = [r for r in caplog.records if "torch.func" in r.getMessage()]
+    stepped = name != "vmap_functional_call"  # a forward alone runs no backward
+    assert len(said) == (1 if stepped else 0)
+    assert all(r.levelname == "DEBUG" for r in said)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_torchscript_compiles_autograd_calls_while_watched():
+    def make() -> Any:
+        @torch.jit.script
+        def f(x: torch.Tensor):  # type: ignore[no-untyped-def]
+            return torch.autograd.grad([(x * x).sum()], [x])
+
+        return f
+
+    model = mlp()
+    with versionwatch.watch(model):
+        f = make()
+        x = torch.ones(3, requires_grad=True)
+        (g,) = f(x)
+        assert torch.equal(g, torch.full((3,), 2.0))
+        # The watcher's own wrappers still predict plain calls.
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(InplaceModificationError):
+            stale_loss(model, opt).backward()
+    assert "aten::grad" in f.graph.str()
+    (g,) = f(torch.ones(3, requires_grad=True))
+    assert torch.equal(g, torch.full((3,), 2.0))
+
+
+def test_watch_all_adopts_no_module_inside_torch_func():
+    """functional_call swaps a module's parameters for functorch wrappers while it runs."""
+    from torch.func import functional_call, grad
+
+    model, x = mlp(), torch.randn(3, 4)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    with versionwatch.watch_all() as w:
+        grad(lambda p: functional_call(model, p, (x,)).sum())(params)
+        assert not w.ledger.tracked
+        model(x).sum().backward()
+        tracked = [tr.ref() for tr in w.ledger.tracked.values()]
+    assert len(tracked) == 4
+    assert all(any(t is p for p in model.parameters()) for t in tracked)

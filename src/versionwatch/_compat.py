@@ -100,10 +100,24 @@ def allow_in_peek(fn: Callable[..., Any]) -> None:
     _ALLOWED.add(fn.__code__)
 
 
+def _anomaly_stack() -> None:
+    # Anomaly mode records a stack for each node it makes, through Python:
+    # reading a saved view rebuilds the view's node. That is torch's, not a hook.
+    import torch.fx.traceback as fx_traceback
+
+    _ALLOWED.add(fx_traceback.format_stack.__code__)
+
+
 def _trap(frame: FrameType, event: str, arg: Any) -> None:
-    if event == "call" and PEEK.active and frame.f_code not in _ALLOWED:
-        PEEK.active = False
-        raise HookedSaved
+    if event != "call" or not PEEK.active:
+        return
+    f: FrameType | None = frame
+    while f is not None and f.f_code is not _PEEK_CODE:
+        if f.f_code in _ALLOWED:
+            return  # ours or torch's own, and whatever they call
+        f = f.f_back
+    PEEK.active = False
+    raise HookedSaved
 
 
 def peek(owner: Any, attr: str) -> tuple[Any, list[Any]]:
@@ -154,3 +168,8 @@ def peek(owner: Any, attr: str) -> tuple[Any, list[Any]]:
         no_dispatch.__exit__(None, None, None)
         PEEK.active = False
         PEEK.records = None
+
+
+_PEEK_CODE = peek.__code__
+if not SAVED_INTROSPECTION:
+    _anomaly_stack()

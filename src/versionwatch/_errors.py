@@ -1,8 +1,9 @@
 """Exceptions and warnings raised by versionwatch.
 
-Both errors subclass :class:`RuntimeError`, the type PyTorch raises, and keep
-PyTorch's own phrases, so ``except RuntimeError`` handlers and log searches for
-"modified by an inplace operation" keep working.
+Both errors subclass :class:`RuntimeError`, the type PyTorch raises, and their
+message carries PyTorch's own error verbatim (the report's ``pytorch`` line), so
+``except RuntimeError`` handlers, ``pytest.raises(match=...)`` and log searches
+for "modified by an inplace operation" keep working.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ class InplaceModificationError(RuntimeError):
 class FreedGraphError(RuntimeError):
     """Backward would run through a graph whose saved tensors were already freed.
 
-    PyTorch's own text for this is "Trying to backward through the graph a second
-    time"; the message keeps that phrase.
+    The message carries PyTorch's own text ("Trying to backward through the graph
+    a second time ... Specify retain_graph=True ...") verbatim.
 
     Attributes:
         report: the full :class:`~versionwatch.Report`.

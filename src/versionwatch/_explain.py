@@ -133,8 +133,15 @@ def _facts(h: Hazard) -> list[tuple[str, str]]:
     return facts
 
 
-def render_report(report: Report) -> str:
-    """One headline, one fact a line, then the fix; other hazards one line each."""
+def render_report(report: Report, *, torch_message: bool = True) -> str:
+    """One headline, one fact a line, then the fix; other hazards one line each.
+
+    Args:
+        report: the report.
+        torch_message: end the facts with PyTorch's own error, verbatim, so that
+            what matches PyTorch's words (``pytest.raises(match=...)``, a log
+            search) matches ours; off in a note under PyTorch's own error.
+    """
     h = report.first
     if h is None:
         text = (
@@ -149,6 +156,8 @@ def render_report(report: Report) -> str:
     if report.backward_site is not None:
         facts.append(("backward at", str(report.backward_site)))
     facts.append(("fix", h.fix))
+    if torch_message and h.torch_message:
+        facts.append(("pytorch", h.torch_message))
     width = max(len(k) for k, _ in facts)
     lines += [f"  {k:<{width}}  {v}" for k, v in facts]
     if len(report.hazards) > 1:

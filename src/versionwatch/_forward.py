@@ -27,6 +27,7 @@ from typing import Any, Callable
 from torch import nn
 
 from versionwatch._compat import is_compiling, is_tracing
+from versionwatch._functorch import in_functorch_transform
 
 # id(root module) -> (module ref, watcher ref, root name), in registration order.
 _Entry = tuple["weakref.ref[nn.Module]", "weakref.ref[Any]", str]
@@ -111,7 +112,9 @@ def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """What ``nn.Module.__call__`` runs for a watched root: its forward, recorded."""
     __tracebackhide__ = True  # pytest: a plain run has no such frame
     call_impl: Callable[..., Any] = module._call_impl
-    if is_compiling():  # torch.export
+    if is_compiling() or in_functorch_transform():
+        # torch.export; or torch.func, whose functional_call swapped the
+        # parameters for its wrappers: nothing of ours to record or adopt.
         return call_impl(*args, **kwargs)
     for ref in _ADOPTERS:
         w = ref()

@@ -43,6 +43,7 @@ from versionwatch._naming import Names, name_of, resolve_names
 from versionwatch._report import Hazard, Report
 from versionwatch._strict import SavedRecord
 from versionwatch._strict import unpack as _strict_unpack
+from versionwatch._torchtext import strict_message
 
 TensorOrTensors = Union[Edge, Sequence[Edge]]
 
@@ -342,6 +343,9 @@ class _Checker:
         else:
             return
         h = rec.hazard(fn.name(), slot, kind)
+        if kind == "inplace":
+            # PyTorch skips its check behind hooks: its words, as it would say them.
+            h.torch_message = strict_message(rec, fn, slot)
         self.hazards.append((i, len(self.hazards), h, rec))
 
     def _silent(self, i: int, fn: Node, slot: str, data: Any) -> None:
@@ -452,7 +456,8 @@ class _Checker:
         msg = str(err)
         seq = len(self.hazards)
         if _FREED in msg:
-            self.hazards.append((i, seq, Hazard(kind="freed", node=fn.name(), slot=slot), None))
+            h = Hazard(kind="freed", node=fn.name(), slot=slot, torch_message=msg)
+            self.hazards.append((i, seq, h, None))
             return
         m = _VERSION_RE.search(msg)
         if m is None:
@@ -477,6 +482,7 @@ class _Checker:
             saved_output=slot.startswith("result")
             or (isinstance(fn, BackwardCFunction) and producer_m is not None
                 and fn.name().startswith(producer_m.group(1))),
+            torch_message=msg,
         )
         if data is not None:
             h.shape = _shape(data)

@@ -86,6 +86,9 @@ class Hazard:
         path: node names from the backward's root down to ``node``.
         fix: a concrete fix for this case.
         detected: ``"predicted"`` (before backward ran) or ``"after_error"``.
+        torch_message: PyTorch's own error for this tensor, verbatim, as the
+            running torch words it (``None`` where PyTorch raises nothing: a
+            ``silent`` hazard, or a write stopped before it happened).
         key: ``id()`` of the named tensor (the base, for a view); internal.
         seq: the saving node's autograd sequence number; internal.
     """
@@ -111,6 +114,7 @@ class Hazard:
     path: list[str] = field(default_factory=list)
     fix: str = ""
     detected: str = "predicted"
+    torch_message: str | None = None
     key: int | None = field(default=None, repr=False, compare=False)
     seq: int | None = field(default=None, repr=False, compare=False)
 

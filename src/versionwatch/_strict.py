@@ -43,13 +43,8 @@ from versionwatch._compat import allow_in_peek, storage_address
 from versionwatch._explain import _BACKWARD_SUFFIX
 from versionwatch._report import Hazard, Modification
 from versionwatch._sites import user_site
+from versionwatch._torchtext import strict_message
 
-_ERR = (
-    "one of the variables needed for gradient computation has been modified by an inplace "
-    "operation: [{type} [{shape}]] is at version {now}; expected version {saved} instead. "
-    "Hint: enable anomaly detection to find the operation that failed to compute its "
-    "gradient, with torch.autograd.set_detect_anomaly(True, check_nan=False)."
-)
 # In-place methods that change metadata only, never memory.
 _METADATA_ONLY = frozenset({
     "requires_grad_", "share_memory_", "detach_", "squeeze_", "unsqueeze_", "t_",
@@ -196,9 +191,8 @@ def unpack(rec: SavedRecord) -> torch.Tensor:
         # PyTorch skips its own check for hooked tensors: make the same one,
         # with what the watcher needs to explain it (a write during backward,
         # which no prediction could see).
-        err = RuntimeError(_ERR.format(type=t.type(), shape=", ".join(map(str, t.shape)),
-                                       now=t._version, saved=rec.version))
         node = torch._C._current_autograd_node()
+        err = RuntimeError(strict_message(rec, node))
         err.versionwatch_saved = (  # type: ignore[attr-defined]
             rec, node.name() if node is not None else "(unknown node)")
         raise err

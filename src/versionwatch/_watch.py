@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional, cast
 
 import torch
+import torch.jit._builtins as _builtins
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -30,7 +31,8 @@ from versionwatch._call import BadCall, read_once, rejected
 from versionwatch._compat import SAVED_INTROSPECTION
 from versionwatch._config import Policy, resolve_policy
 from versionwatch._errors import InplaceHazardWarning
-from versionwatch._explain import fix_for
+from versionwatch._explain import fix_for, render_report
+from versionwatch._functorch import in_functorch_transform
 from versionwatch._ledger import Ledger, Tracked
 from versionwatch._naming import module_tensors
 from versionwatch._predict import _VERSION_RE, predict, raise_for
@@ -113,6 +115,9 @@ def _patched(api: str, first: str, inputs_at: int) -> Callable[..., Any]:
             args, kwargs = read_once(args, kwargs, first, inputs_at)
             outputs = args[0] if args else kwargs.get(first)
             inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
+        if in_functorch_transform(outputs, inputs):
+            w._step_aside()
+            return original(*args, **kwargs)
         return w._run_backward(api, outputs, inputs, lambda: original(*args, **kwargs),
                                (args, kwargs))
 
@@ -145,6 +150,12 @@ def _step_post(opt: Optimizer, args: Any, kwargs: Any) -> None:
         w._on_step_post(opt)
 
 
+def _jit_builtins() -> dict[int, str]:
+    """TorchScript's table of Python functions it compiles as aten ops, by ``id``."""
+    table: dict[int, str] = _builtins._get_builtin_table()  # type: ignore[no-untyped-call]
+    return table
+
+
 def _install() -> None:
     import torch.autograd as autograd
 
@@ -155,6 +166,11 @@ def _install() -> None:
     autograd.grad = _grad
     Optimizer.zero_grad = _zero_grad  # type: ignore[method-assign]
     _forward.install()
+    # TorchScript compiles torch.autograd.grad/backward to aten ops found by the
+    # identity of the function it sees: ours must map to the same ops.
+    table = _jit_builtins()
+    table[id(_backward)] = "aten::backward"
+    table[id(_grad)] = "aten::grad"
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
         register_optimizer_step_pre_hook,
@@ -173,12 +189,19 @@ def _uninstall() -> None:
     autograd.grad = _ORIGINAL["grad"]
     Optimizer.zero_grad = _ORIGINAL["zero_grad"]  # type: ignore[method-assign]
     _forward.uninstall()
+    table = _jit_builtins()
+    table.pop(id(_backward), None)
+    table.pop(id(_grad), None)
     while _GLOBAL_HANDLES:
         _GLOBAL_HANDLES.pop().remove()
 
 
 def _seq_clock() -> int:
     """The autograd sequence number now: nodes made before have a smaller one."""
+    if torch.is_inference_mode_enabled():
+        # An inference tensor records no node; the counter is the same outside.
+        with torch.inference_mode(False):
+            return _seq_clock()
     with torch.enable_grad():
         probe = torch.empty(0, requires_grad=True).view(0)
     fn = probe.grad_fn
@@ -260,6 +283,7 @@ class Watcher:
     """
 
     _kept_grads = False  # set once a zero_grad(set_to_none=False) left grad marks
+    _stepped_aside = False  # set once a torch.func transform ran unwatched
 
     def __init__(
         self,
@@ -556,6 +580,14 @@ class Watcher:
             if not ended:
                 self._end_backward(n)
 
+    def _step_aside(self) -> None:
+        """A backward inside a ``torch.func`` transform runs unpredicted: say so once."""
+        if not self._stepped_aside:
+            self._stepped_aside = True
+            logger.debug("versionwatch: backward inside a torch.func transform (grad, vjp, "
+                         "jacrev, hessian, vmap) runs unpredicted: its tensors are functorch "
+                         "wrappers; backwards outside transforms are predicted as usual")
+
     def _end_backward(self, n: int) -> None:
         self.ledger.record("backward_end", f"backward #{n}", None,
                            cause=Modification("backward", f"during backward #{n}"))
@@ -604,7 +636,9 @@ class Watcher:
     def _after_error(self, err: RuntimeError, report: Report | None, site: Site | None) -> None:
         msg = str(err)
         if report is not None and not report.ok:
-            _add_note(err, f"versionwatch predicted this before backward ran:\n{report}")
+            # PyTorch's own error is right above the note: no need to repeat it.
+            text = render_report(report, torch_message=False)
+            _add_note(err, f"versionwatch predicted this before backward ran:\n{text}")
             return
         m = _VERSION_RE.search(msg)
         if m is None:
@@ -632,9 +666,11 @@ class Watcher:
                 if not h.modified_by:
                     self.ledger.blame(h, key)
         h.fix = fix_for(h)
+        h.torch_message = msg
         late = Report(hazards=[h], backward_site=site)
         self.reports.append(late)
-        _add_note(err, f"versionwatch explains (PyTorch raised, unpredicted):\n{late}")
+        text = render_report(late, torch_message=False)
+        _add_note(err, f"versionwatch explains (PyTorch raised, unpredicted):\n{text}")
 
     # -- public ----------------------------------------------------------------------
     def timeline(self, *names: str, report: Report | None = None) -> Timeline:
@@ -730,6 +766,11 @@ def watch(
     stop_at_write: bool = False,
 ) -> Watcher:
     """Watch modules (and optimizers): predict and explain every backward.
+
+    Inside ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``, ``hessian``,
+    ``vmap``) the watcher steps aside: their forwards and backwards run as
+    unwatched, unpredicted, which the ``versionwatch`` logger says once, at
+    debug level.
 
     Args:
         modules: one ``nn.Module`` (named after the variable that holds it, e.g.
