@@ -77,8 +77,8 @@ class SavedRecord:
     what is cheap; ``writes`` stays an empty tuple until a write hits it.
     """
 
-    __slots__ = ("__weakref__", "forward", "ids", "module", "requires_grad", "silent", "tensor",
-                 "version", "writes")
+    __slots__ = ("__weakref__", "_silent", "before", "forward", "ids", "module", "requires_grad",
+                 "tensor", "version", "writes")
 
     def __init__(self, t: torch.Tensor, module: str | None, forward: str | None) -> None:
         # A leaf is kept as is, so that `p.data = t` reaches backward as it does
@@ -98,7 +98,35 @@ class SavedRecord:
         self.module = module
         self.forward = forward
         self.writes: tuple[()] | list[Modification] = ()
-        self.silent = False
+        self._silent = False
+        self.before: torch.Tensor | None = None  # the bytes a first silent write found
+
+    @property
+    def silent(self) -> bool:
+        """A write without a version bump hit this memory, and left other bytes.
+
+        A silent write that puts back what was there (gradcheck perturbs an
+        input through ``.data`` and restores it) changes nothing backward reads.
+        """
+        if not self._silent:
+            return False
+        before = self.before
+        if before is None:
+            return True
+        try:
+            return not torch.equal(before, _bytes(self.tensor))
+        except (RuntimeError, TypeError):  # no plain bytes to compare (quantized)
+            return True
+
+    def saw_silent_write(self) -> None:
+        """Note a silent write about to happen; keep the bytes it may change."""
+        if not self._silent:
+            self._silent = True
+            if self.tensor._version == self.version:
+                try:
+                    self.before = _bytes(self.tensor).clone()
+                except (RuntimeError, TypeError):
+                    self.before = None
 
     def hazard(self, node: str, slot: str, kind: Literal["inplace", "silent"] = "inplace",
                detected: Literal["predicted", "at_write", "after_error"] = "predicted",
@@ -114,6 +142,11 @@ class SavedRecord:
                       saved_during=self.forward,
                       modified_by=list(self.writes if modified_by is None else modified_by),
                       detected=detected)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s contents as a flat byte tensor (a view where the layout allows)."""
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 class _Local(threading.local):
@@ -138,6 +171,8 @@ class _State:
         self.data_aliases: dict[int, weakref.ref[torch.Tensor]] = {}
         self.local = _Local()
         self.purge_at = 1024
+        # ids of our wrappers entered in TorchScript's builtin table, to take out.
+        self.jit_ids: list[int] = []
 
 
 STATE = _State()
@@ -293,7 +328,8 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
         if not rec.writes:
             rec.writes = []
         rec.writes.append(mod)
-        rec.silent = rec.silent or silent
+        if silent:
+            rec.saw_silent_write()
         if stop is None:
             continue  # the verdict waits for a backward: that graph may never run one
         # No node yet: a write does not tell which node saved the memory.
@@ -355,7 +391,10 @@ def _data_getter() -> property:
             on_write("data", (self,), {})
         original.__set__(self, value)
 
-    return property(get, set_, doc=original.__doc__)
+    def delete(self: torch.Tensor) -> None:
+        original.__delete__(self)  # PyTorch's own error
+
+    return property(get, set_, delete, doc=original.__doc__)
 
 
 def _has_out(fn: Any) -> bool:
@@ -378,6 +417,11 @@ def install() -> None:
         if fn is not None:
             _patch(tensor, attr, _wrap(attr, fn))
     _patch(tensor, "data", _data_getter())
+    # TorchScript compiles a call to a torch function by the function's identity
+    # (torch.jit._builtins): our wrappers map to the same aten op, or scripting
+    # code that calls torch.relu_ (forward AD's decompositions do) would fail.
+    # Built now, before any patch, the table keeps the originals too.
+    builtins = torch.jit._builtins._get_builtin_table()
     for mod in (torch, torch._C._nn, torch.linalg, torch.special, torch.fft):
         prefix = "" if mod is torch or mod is torch._C._nn else mod.__name__[6:] + "."
         for attr in dir(mod):
@@ -387,9 +431,16 @@ def install() -> None:
             if not callable(fn) or isinstance(fn, type):
                 continue
             if attr.endswith("_") and attr not in _METADATA_ONLY:
-                _patch(mod, attr, _wrap(attr, fn))
+                new = _wrap(attr, fn)
             elif mod is not torch._C._nn and _has_out(fn):
-                _patch(mod, attr, _wrap_out(prefix + attr, fn))
+                new = _wrap_out(prefix + attr, fn)
+            else:
+                continue
+            _patch(mod, attr, new)
+            op = builtins.get(id(fn))
+            if op is not None:
+                builtins[id(new)] = op
+                STATE.jit_ids.append(id(new))
     # The module being run, for the records: a thin wrapper keeps nn.Module's
     # fast path (a module hook, even a global one, sends every call down the
     # slow path, which made strict mode 1.3x slower on small models).
@@ -403,6 +454,9 @@ def uninstall() -> None:
             setattr(owner, attr, old)
         else:
             delattr(owner, attr)
+    builtins = torch.jit._builtins._get_builtin_table()
+    while STATE.jit_ids:  # a dead wrapper's id may be reused by anything
+        builtins.pop(STATE.jit_ids.pop(), None)
     STATE.registry.clear()
     _NAMES.clear()
     _NAME_REFS.clear()

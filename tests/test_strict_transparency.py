@@ -1,0 +1,85 @@
+"""Strict mode is invisible: what a program sees under it is what it sees unwatched."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import versionwatch
+
+
+def _script_calls(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = torch.matmul(x, w)
+    y = torch.add(y, 1.0)
+    return torch.relu_(y.clone())
+
+
+def test_torchscript_compiles_torch_functions_that_strict_wraps():
+    x, w = torch.ones(2, 3), torch.ones(3, 2)
+    with versionwatch.watch_all(strict=True):
+        assert torch.relu_ is not torch._C._VariableFunctions.relu_, "strict wraps it"
+        scripted = torch.jit.script(_script_calls)
+        assert torch.equal(scripted(x, w), _script_calls(x, w))
+    table = torch.jit._builtins._get_builtin_table()
+    assert table[id(torch.relu_)] == "aten::relu_"
+    assert all(op is not None for op in (table.get(id(torch.matmul)), table.get(id(torch.add))))
+
+
+def test_first_forward_ad_under_strict_works():
+    # Forward AD scripts its decompositions on its first use in a process.
+    code = textwrap.dedent("""
+        import torch, torch.autograd.forward_ad as fwAD, versionwatch
+        with versionwatch.watch_all(strict=True):
+            with fwAD.dual_level():
+                d = fwAD.make_dual(torch.ones(2), torch.full((2,), 3.0))
+                print(fwAD.unpack_dual(d * 2).tangent.tolist())
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[6.0, 6.0]"
+
+
+def test_gradcheck_restoring_its_input_is_no_hazard():
+    x = torch.rand(4, dtype=torch.double, requires_grad=True)
+    with versionwatch.watch_all(on_hazard="raise", strict=True):
+        assert torch.autograd.gradcheck(lambda t: t * t, (x,))
+
+
+def test_silent_write_that_changes_bytes_is_still_reported():
+    x = torch.rand(4, dtype=torch.double, requires_grad=True)
+    with versionwatch.watch_all(on_hazard="raise", strict=True):
+        y = (x * x).sum()
+        x.data.add_(1.0)  # changes the bytes, bumps no version
+        with pytest.raises(versionwatch.InplaceModificationError) as info:
+            y.backward()
+    assert info.value.report.hazards[0].kind == "silent"
+
+
+def test_silent_write_put_back_is_no_hazard():
+    x = torch.rand(4, dtype=torch.double, requires_grad=True)
+    with versionwatch.watch_all(on_hazard="raise", strict=True):
+        y = (x * x).sum()
+        saved = x.detach().clone()
+        x.data.add_(1.0)
+        x.data.copy_(saved)  # the bytes saved are back
+        y.backward()
+    assert torch.equal(x.grad, 2 * saved)
+
+
+def test_deleting_data_raises_pytorchs_error():
+    def attempt() -> BaseException:
+        x = torch.randn(2, requires_grad=True)
+        with pytest.raises(BaseException) as info:
+            del x.data
+        return info.value
+
+    plain = attempt()
+    with versionwatch.watch_all(strict=True):
+        watched = attempt()
+    assert type(watched) is type(plain) is RuntimeError
+    assert str(watched) == str(plain)
