@@ -404,6 +404,12 @@ def _has_out(fn: Any) -> bool:
     return "out (Tensor" in doc or "out=None" in doc.lstrip().partition("\n")[0]
 
 
+def _jit_builtins() -> dict[int, str]:
+    """TorchScript's table of builtins: id of a Python function -> its aten op."""
+    table: dict[int, str] = torch.jit._builtins._get_builtin_table()  # type: ignore[no-untyped-call]
+    return table
+
+
 def install() -> None:
     """Patch the in-place entry points (process-wide, until :func:`uninstall`)."""
     tensor = torch.Tensor
@@ -421,7 +427,7 @@ def install() -> None:
     # (torch.jit._builtins): our wrappers map to the same aten op, or scripting
     # code that calls torch.relu_ (forward AD's decompositions do) would fail.
     # Built now, before any patch, the table keeps the originals too.
-    builtins = torch.jit._builtins._get_builtin_table()
+    builtins = _jit_builtins()
     for mod in (torch, torch._C._nn, torch.linalg, torch.special, torch.fft):
         prefix = "" if mod is torch or mod is torch._C._nn else mod.__name__[6:] + "."
         for attr in dir(mod):
@@ -454,7 +460,7 @@ def uninstall() -> None:
             setattr(owner, attr, old)
         else:
             delattr(owner, attr)
-    builtins = torch.jit._builtins._get_builtin_table()
+    builtins = _jit_builtins()
     while STATE.jit_ids:  # a dead wrapper's id may be reused by anything
         builtins.pop(STATE.jit_ids.pop(), None)
     STATE.registry.clear()
