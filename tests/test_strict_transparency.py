@@ -83,3 +83,32 @@ def test_deleting_data_raises_pytorchs_error():
         watched = attempt()
     assert type(watched) is type(plain) is RuntimeError
     assert str(watched) == str(plain)
+
+
+class _Square(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w**2 * x).sum()
+
+
+def test_data_write_after_a_vetoed_step_is_reported():
+    model = _Square()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def veto(*_: object) -> None:
+        raise RuntimeError("vetoed")
+
+    opt.register_step_pre_hook(veto)
+    with versionwatch.watch(model, opt, strict=True, on_hazard="raise"):
+        y = model(torch.full((3,), 2.0))
+        with pytest.raises(RuntimeError, match="vetoed"):
+            opt.step()
+        model.w.data = torch.zeros(3)  # bumps no version; backward would read zeros
+        with pytest.raises(versionwatch.InplaceModificationError) as info:
+            y.backward()
+    (hz,) = info.value.report.hazards
+    assert hz.kind == "silent"
+    assert any(".data = ..." in m.description for m in hz.modified_by)

@@ -30,9 +30,11 @@ inside ``torch.compile`` regions a write is placed at the compiled function.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any, Literal
 
 import torch
@@ -155,6 +157,7 @@ class _Local(threading.local):
     busy = False  # inside our own reporting: our writes are not the user's
     step: str | None = None  # label of the optimizer step running, if any
     step_checked = False  # that step's writes were checked as a whole, up front
+    step_frame: tuple[int, Any] | None = None  # id and code of the frame running the step
     forward: str | None = None  # label of the root forward running, if any
     modules: list[str] | None = None
 
@@ -201,6 +204,32 @@ def end_step() -> None:
     """
     _LOCAL.step = None
     _LOCAL.step_checked = False
+    _LOCAL.step_frame = None
+
+
+def begin_step(label: str) -> None:
+    """Enter an optimizer step (called from its pre-hook, under ``Optimizer.step``)."""
+    _LOCAL.step = label
+    # The frame that calls the pre-hooks runs the step: once it is off the
+    # stack, the step is over even if it raised (a pre-hook vetoed it). Kept
+    # by id and code: a frame holds the optimizer and the step's arguments.
+    frame = sys._getframe(3)
+    _LOCAL.step_frame = (id(frame), frame.f_code)
+
+
+def _in_step() -> bool:
+    """Whether the optimizer step this thread entered is still running."""
+    mark = _LOCAL.step_frame
+    if mark is None:
+        return True
+    key, code = mark
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if id(frame) == key and frame.f_code is code:
+            return True
+        frame = frame.f_back
+    end_step()
+    return False
 
 
 def pack(t: torch.Tensor) -> SavedRecord:
@@ -317,8 +346,10 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
     label = _LABELS.get(name, f"{name}()" if not name.endswith(")") else name)
     context = _LOCAL.step
     if context:
-        if name != "step" and _LOCAL.step_checked:
+        if name != "step" and _LOCAL.step_checked and _in_step():
             return  # the step's writes were checked, and recorded, as a whole
+        context = _LOCAL.step
+    if context:
         label = context if name == "step" else f"{context} ({label})"
     stop = STATE.owners[-1] if STATE.owners and STATE.owners[-1].stop_at_write else None
     hazards = []
