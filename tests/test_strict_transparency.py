@@ -112,3 +112,28 @@ def test_data_write_after_a_vetoed_step_is_reported():
     (hz,) = info.value.report.hazards
     assert hz.kind == "silent"
     assert any(".data = ..." in m.description for m in hz.modified_by)
+
+
+def test_strict_memory_stays_flat_with_a_frozen_layer():
+    from versionwatch import _strict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    model[0].requires_grad_(False)  # saved every step, never written
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.01)
+    x = torch.ones(2, 4)
+    sizes = {}
+    with versionwatch.watch(model, opt, strict=True):
+        for step in range(1, 3001):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+            if step % 100 == 0:
+                lists = list(_strict.STATE.registry.values())
+                sizes[step] = (sum(map(len, lists)), max(map(len, lists)))
+    # Dead storages wait for a sweep, which keeps them under a fixed bound; the
+    # refs kept for any one storage (the frozen weight's) stay few.
+    late = [sizes[s] for s in sizes if s > 1000]
+    assert max(total for total, _ in late) <= 4 * _strict._PURGE_MIN, sizes
+    assert max(longest for _, longest in late) <= 8, sizes
+    assert not _strict.STATE.registry, "closing empties the registry"

@@ -162,6 +162,11 @@ class _Local(threading.local):
     modules: list[str] | None = None
 
 
+# Dead storages the registry may hold before a sweep; sweeping at twice the
+# live count keeps the cost per saved tensor constant.
+_PURGE_MIN = 256
+
+
 class _State:
     """Process-wide strict state, shared by every open strict watcher."""
 
@@ -173,7 +178,7 @@ class _State:
         # would compare tensors with ==).
         self.data_aliases: dict[int, weakref.ref[torch.Tensor]] = {}
         self.local = _Local()
-        self.purge_at = 1024
+        self.purge_at = _PURGE_MIN
         # ids of our wrappers entered in TorchScript's builtin table, to take out.
         self.jit_ids: list[int] = []
 
@@ -245,6 +250,11 @@ def pack(t: torch.Tensor) -> SavedRecord:
             if len(registry) > STATE.purge_at:
                 _purge()
         else:
+            # Memory saved again and again (a frozen weight, an address the
+            # allocator hands out anew) would keep every dead record's ref:
+            # the oldest being dead says the list has some to drop.
+            if len(refs) > 3 and refs[0]() is None:
+                refs[:] = [r for r in refs if r() is not None]
             refs.append(weakref.ref(rec))
     return rec
 
@@ -272,7 +282,7 @@ def _purge() -> None:
     registry = STATE.registry
     for key in [k for k, refs in registry.items() if all(r() is None for r in refs)]:
         del registry[key]
-    STATE.purge_at = max(1024, 2 * len(registry))
+    STATE.purge_at = max(_PURGE_MIN, 2 * len(registry))
 
 
 def _live(key: int) -> list[SavedRecord]:
