@@ -137,3 +137,28 @@ def test_strict_memory_stays_flat_with_a_frozen_layer():
     assert max(total for total, _ in late) <= 4 * _strict._PURGE_MIN, sizes
     assert max(longest for _, longest in late) <= 8, sizes
     assert not _strict.STATE.registry, "closing empties the registry"
+
+
+def _detach_then_backward(saved_input: bool) -> str:
+    a = torch.tensor(1.5, requires_grad=True).clone()
+    if saved_input:
+        loss = a.sin()  # SinBackward0 saves its input, a
+        a.detach_()
+    else:
+        y = a.exp()  # ExpBackward0 saves its output, y
+        loss = y * 1.0
+        y.detach_()
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return f"RuntimeError: {e}"
+    return "ran"
+
+
+@pytest.mark.parametrize("saved_input", [True, False])
+def test_saved_tensor_detached_in_place_behaves_as_unwatched(saved_input):
+    plain = _detach_then_backward(saved_input)
+    with versionwatch.watch_all(strict=True):
+        watched = _detach_then_backward(saved_input)
+    assert watched == plain
+    assert ("detached in-place" in plain) is saved_input

@@ -259,12 +259,22 @@ def pack(t: torch.Tensor) -> SavedRecord:
     return rec
 
 
+_DETACHED_ERR = (
+    "Trying to use a saved tensor that has been detached in-place, i.e. with .detach_()."
+    "This is not supported, please use out-of-place `.detach()` instead"
+)
+# id(record) -> weak reference, for saved non-leaf tensors detached in place since.
+_DETACHED: dict[int, weakref.ref[SavedRecord]] = {}
+
+
 def unpack(rec: SavedRecord) -> torch.Tensor:
     t = rec.tensor
     peeked = _PEEK.records
     if peeked is not None:  # the predictor reads the record (old torch)
         peeked.append(rec)
         return t
+    if _DETACHED and id(rec) in _DETACHED:
+        _check_detached(rec)
     if t._version != rec.version:
         # PyTorch skips its own check for hooked tensors: make the same one,
         # with what the watcher needs to explain it (a write during backward,
@@ -276,6 +286,55 @@ def unpack(rec: SavedRecord) -> torch.Tensor:
             rec, node.name() if node is not None else "(unknown node)")
         raise err
     return t
+
+
+def _check_detached(rec: SavedRecord) -> None:
+    """Raise PyTorch's error for a saved *input* detached in place since.
+
+    Unhooked, PyTorch keeps a saved input as is and finds its grad_fn gone;
+    our hook hides that. A saved output is fine (its node is the one running).
+    Only the backward's own unpack fails: the node running names the slot.
+    """
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return
+    for attr in dir(node):
+        if not attr.startswith("_raw_saved_") or attr.startswith("_raw_saved_result"):
+            continue
+        if attr == "_raw_saved_tensors":  # a custom Function's: outputs are not told apart
+            return
+        raws = getattr(node, attr)
+        for raw in raws if isinstance(raws, (list, tuple)) else (raws,):
+            if getattr(raw, "data", None) is rec:
+                raise RuntimeError(_DETACHED_ERR)
+
+
+def _on_detach(t: torch.Tensor) -> None:
+    """``t.detach_()`` is about to run: mark the records that saved ``t`` itself."""
+    if t.is_leaf:
+        return  # a leaf was saved as a leaf: PyTorch checks nothing
+    key = _storage_key(t)
+    for rec in _live(key) if key else ():
+        # A non-leaf is recorded as an alias: the id says which tensor it was.
+        if rec.ids[0] == id(t) and rec.tensor is not t:
+            _DETACHED[id(rec)] = weakref.ref(rec, _undetach(id(rec)))
+
+
+def _undetach(key: int) -> Callable[[object], None]:
+    def forget(_: object) -> None:
+        _DETACHED.pop(key, None)
+
+    return forget
+
+
+def _wrap_detach(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def detach_(self: torch.Tensor) -> torch.Tensor:
+        if STATE.registry:
+            _on_detach(self)
+        return fn(self)  # type: ignore[no-any-return]
+
+    return detach_
 
 
 def _purge() -> None:
@@ -464,6 +523,7 @@ def install() -> None:
         if fn is not None:
             _patch(tensor, attr, _wrap(attr, fn))
     _patch(tensor, "data", _data_getter())
+    _patch(tensor, "detach_", _wrap_detach(tensor.detach_))
     # TorchScript compiles a call to a torch function by the function's identity
     # (torch.jit._builtins): our wrappers map to the same aten op, or scripting
     # code that calls torch.relu_ (forward AD's decompositions do) would fail.
@@ -505,6 +565,7 @@ def uninstall() -> None:
     while STATE.jit_ids:  # a dead wrapper's id may be reused by anything
         builtins.pop(STATE.jit_ids.pop(), None)
     STATE.registry.clear()
+    _DETACHED.clear()
     _NAMES.clear()
     _NAME_REFS.clear()
 
