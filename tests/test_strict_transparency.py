@@ -162,3 +162,135 @@ def test_saved_tensor_detached_in_place_behaves_as_unwatched(saved_input):
         watched = _detach_then_backward(saved_input)
     assert watched == plain
     assert ("detached in-place" in plain) is saved_input
+
+
+# -- the saved-tensor hooks stack ---------------------------------------------------------
+
+
+def _top() -> object:
+    """The entry on top of this thread's saved-tensor hooks stack (torch >= 2.5)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        pytest.skip("this torch cannot show the stack's top")
+    return top(False)
+
+
+def _saves_with(pack_calls: list[int]) -> None:
+    x = torch.ones(2, requires_grad=True)
+    (x * x).sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, 2 * torch.ones(2))
+
+
+def test_users_hooks_block_ending_inside_a_watcher_stops_calling_them():
+    calls: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return t
+
+    block = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    block.__enter__()
+    w = versionwatch.watch_all(strict=True)
+    block.__exit__(None, None, None)  # the user's block ends while strict's is open
+    n = len(calls)
+    _saves_with(calls)
+    assert len(calls) == n, "the user's pack hook ran after their block ended"
+    w.close()
+    assert _top() is None, "nothing of ours, nor the user's, left on the stack"
+
+
+def test_watcher_closed_inside_a_users_block_leaves_their_hooks_on_top():
+    calls: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return t
+
+    w = versionwatch.watch_all(strict=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        w.close()
+        _saves_with(calls)
+        assert calls, "the user's hooks are still theirs to run"
+    assert _top() is None
+
+
+@pytest.mark.parametrize("ctx", ["checkpoint", "save_on_cpu", "allow_mutation"])
+def test_torch_users_of_the_stack_inside_strict(ctx):
+    from torch.utils.checkpoint import checkpoint
+
+    def run() -> torch.Tensor:
+        x = torch.linspace(-1, 1, 6, requires_grad=True)
+        if ctx == "checkpoint":
+            y = checkpoint(lambda t: t.sin() * t, x, use_reentrant=False)
+        elif ctx == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                y = x.sin() * x
+        else:
+            with torch.autograd.graph.allow_mutation_on_saved_tensors():
+                y = x.sin() * x
+                y.sum().backward()
+                return x.grad
+        y.sum().backward()
+        return x.grad
+
+    plain = run()
+    with versionwatch.watch_all(strict=True):
+        watched = run()
+        assert _top() is not None, "strict's entry is back on top"
+    assert torch.equal(watched, plain)
+    assert _top() is None
+
+
+def test_register_hooks_disable_hooks_and_torch_func_under_strict():
+    def results() -> list[object]:
+        y = torch.exp(torch.linspace(0, 1, 5, requires_grad=True))
+        seen: list[int] = []
+        y.grad_fn._raw_saved_result.register_hooks(lambda t: (seen.append(1), t * 1)[1],
+                                                   lambda p: (seen.append(2), p)[1])
+        y.sum().backward()
+        with pytest.raises(RuntimeError) as again:
+            y2 = torch.exp(torch.ones(2, requires_grad=True))
+            raw = y2.grad_fn._raw_saved_result
+            raw.register_hooks(lambda t: t, lambda t: t)
+            raw.register_hooks(lambda t: t, lambda t: t)
+        with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+            x = torch.ones(3, requires_grad=True)
+            (x * x).sum().backward()
+            with pytest.raises(RuntimeError, match="no hooks here"):
+                with torch.autograd.graph.save_on_cpu():
+                    pass
+        g = torch.func.grad(lambda t: (t * t).sum())(torch.ones(3))
+        return [seen, str(again.value), x.grad.tolist(), g.tolist()]
+
+    plain = results()
+    with versionwatch.watch_all(strict=True):
+        watched = results()
+        assert _top() is not None
+    assert watched == plain
+
+
+def test_close_from_another_thread_takes_patches_off_and_pops_on_return():
+    import threading
+
+    w = versionwatch.watch_all(strict=True)
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            w.close()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=close)
+    t.start()
+    t.join()
+    assert not errors, errors
+    assert torch.relu_ is torch._C._VariableFunctions.relu_, "patches came off at once"
+    assert _top() is not None, "our entry waits on its own thread"
+    _saves_with([])  # inert: nothing recorded, nothing kept
+    from versionwatch import _strict
+
+    assert not _strict.STATE.registry
+    with versionwatch.watch_all(strict=True):  # entering versionwatch again pops it
+        pass
+    assert _top() is None

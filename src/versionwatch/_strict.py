@@ -40,6 +40,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from versionwatch import _hookstack
 from versionwatch._compat import PEEK as _PEEK
 from versionwatch._compat import allow_in_peek, storage_address
 from versionwatch._explain import _BACKWARD_SUFFIX
@@ -242,7 +243,7 @@ def pack(t: torch.Tensor) -> SavedRecord:
     stack = local.modules
     rec = SavedRecord(t, stack[-1] if stack else None, local.forward)
     key = _storage_key(t)
-    if key:
+    if key and STATE.owners:  # none: a hook left on a thread by a close from another
         registry = STATE.registry
         refs = registry.get(key)
         if refs is None:
@@ -263,8 +264,34 @@ _DETACHED_ERR = (
     "Trying to use a saved tensor that has been detached in-place, i.e. with .detach_()."
     "This is not supported, please use out-of-place `.detach()` instead"
 )
-# id(record) -> weak reference, for saved non-leaf tensors detached in place since.
-_DETACHED: dict[int, weakref.ref[SavedRecord]] = {}
+
+
+class _Mark:
+    """What the rare paths of :func:`unpack` need to know about one record."""
+
+    __slots__ = ("detached", "ref", "user")
+
+    def __init__(self, rec: SavedRecord) -> None:
+        key = id(rec)
+
+        def forget(_: object) -> None:
+            _MARKS.pop(key, None)
+
+        self.ref = weakref.ref(rec, forget)
+        self.detached = False  # a saved non-leaf, detached in place since
+        # A user's register_hooks on the slot: (what their pack returned, their unpack).
+        self.user: tuple[Any, Callable[[Any], Any]] | None = None
+
+
+# id(record) -> its mark; one dict, so that unpack pays one check for all.
+_MARKS: dict[int, _Mark] = {}
+
+
+def _mark(rec: SavedRecord) -> _Mark:
+    m = _MARKS.get(id(rec))
+    if m is None or m.ref() is not rec:
+        m = _MARKS[id(rec)] = _Mark(rec)
+    return m
 
 
 def unpack(rec: SavedRecord) -> torch.Tensor:
@@ -273,19 +300,33 @@ def unpack(rec: SavedRecord) -> torch.Tensor:
     if peeked is not None:  # the predictor reads the record (old torch)
         peeked.append(rec)
         return t
-    if _DETACHED and id(rec) in _DETACHED:
-        _check_detached(rec)
+    mark = _MARKS.get(id(rec)) if _MARKS else None
+    if mark is not None:
+        if mark.detached:
+            _check_detached(rec)
+        if mark.user is not None:
+            if t._version != rec.version:
+                _stale(rec)
+            packed, user_unpack = mark.user
+            return user_unpack(packed)  # type: ignore[no-any-return]
     if t._version != rec.version:
-        # PyTorch skips its own check for hooked tensors: make the same one,
-        # with what the watcher needs to explain it (a write during backward,
-        # which no prediction could see).
-        err = RuntimeError(_ERR.format(type=t.type(), shape=", ".join(map(str, t.shape)),
-                                       now=t._version, saved=rec.version))
-        node = torch._C._current_autograd_node()
-        err.versionwatch_saved = (  # type: ignore[attr-defined]
-            rec, node.name() if node is not None else "(unknown node)")
-        raise err
+        _stale(rec)
     return t
+
+
+def _stale(rec: SavedRecord) -> None:
+    """PyTorch skips its own version check for hooked tensors: make the same one.
+
+    With what the watcher needs to explain it (a write during backward, which
+    no prediction could see).
+    """
+    t = rec.tensor
+    err = RuntimeError(_ERR.format(type=t.type(), shape=", ".join(map(str, t.shape)),
+                                   now=t._version, saved=rec.version))
+    node = torch._C._current_autograd_node()
+    err.versionwatch_saved = (  # type: ignore[attr-defined]
+        rec, node.name() if node is not None else "(unknown node)")
+    raise err
 
 
 def _check_detached(rec: SavedRecord) -> None:
@@ -317,14 +358,47 @@ def _on_detach(t: torch.Tensor) -> None:
     for rec in _live(key) if key else ():
         # A non-leaf is recorded as an alias: the id says which tensor it was.
         if rec.ids[0] == id(t) and rec.tensor is not t:
-            _DETACHED[id(rec)] = weakref.ref(rec, _undetach(id(rec)))
+            _mark(rec).detached = True
 
 
-def _undetach(key: int) -> Callable[[object], None]:
-    def forget(_: object) -> None:
-        _DETACHED.pop(key, None)
+_ALREADY_HOOKED = (
+    "Calling register_hooks on a saved tensor whose hooks have already been set. "
+    "Hint: only one pair of hooks is allowed at a time."
+)
+_PACK_MODIFIED = (
+    "A saved tensor pack hook is modifying its input in place. Tensors provided as input to "
+    "pack hook can not be modified by in-place operations as this can lead to unexpected "
+    "side-effects. Please open an issue if you need to perform in-place operations on the "
+    "input to a pack hook."
+)
 
-    return forget
+
+def _wrap_register_hooks(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``SavedTensor.register_hooks``: on a slot strict packed, the user's hooks go inside.
+
+    PyTorch allows one pair per slot and strict holds it: the user's pack runs
+    now on the saved tensor, as PyTorch would run it, and the slot's unpack
+    runs the user's after strict's own check.
+    """
+
+    @functools.wraps(fn)
+    def register_hooks(self: Any, pack_hook: Any, unpack_hook: Any) -> None:
+        if getattr(self, "unpack_hook", None) is not unpack:
+            return fn(self, pack_hook, unpack_hook)  # type: ignore[no-any-return]
+        rec = self.data
+        mark = _mark(rec)
+        if mark.user is not None:
+            raise RuntimeError(_ALREADY_HOOKED)
+        t = rec.tensor
+        version = t._version
+        with torch.no_grad():
+            packed = pack_hook(t)
+        if t._version != version:
+            raise RuntimeError(_PACK_MODIFIED)
+        mark.user = (packed, unpack_hook)
+        return None
+
+    return register_hooks
 
 
 def _wrap_detach(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -524,6 +598,8 @@ def install() -> None:
             _patch(tensor, attr, _wrap(attr, fn))
     _patch(tensor, "data", _data_getter())
     _patch(tensor, "detach_", _wrap_detach(tensor.detach_))
+    saved: Any = torch._C._autograd.SavedTensor
+    _patch(saved, "register_hooks", _wrap_register_hooks(saved.register_hooks))
     # TorchScript compiles a call to a torch function by the function's identity
     # (torch.jit._builtins): our wrappers map to the same aten op, or scripting
     # code that calls torch.relu_ (forward AD's decompositions do) would fail.
@@ -552,9 +628,11 @@ def install() -> None:
     # fast path (a module hook, even a global one, sends every call down the
     # slow path, which made strict mode 1.3x slower on small models).
     _patch(nn.Module, "_call_impl", _module_call(nn.Module._call_impl))
+    _hookstack.install(pack, unpack)
 
 
 def uninstall() -> None:
+    _hookstack.uninstall()
     while STATE.patches:
         owner, attr, old, had = STATE.patches.pop()
         if had:
@@ -565,7 +643,6 @@ def uninstall() -> None:
     while STATE.jit_ids:  # a dead wrapper's id may be reused by anything
         builtins.pop(STATE.jit_ids.pop(), None)
     STATE.registry.clear()
-    _DETACHED.clear()
     _NAMES.clear()
     _NAME_REFS.clear()
 
@@ -617,19 +694,31 @@ def attach(owner: Any) -> Any:
     if not STATE.owners:
         install()
     STATE.owners.append(owner)
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-    hooks.__enter__()
-    return hooks
+    try:
+        return _hookstack.push()
+    except BaseException:
+        STATE.owners.remove(owner)
+        if not STATE.owners:
+            uninstall()
+        raise
 
 
 def detach(owner: Any, hooks: Any) -> None:
-    hooks.__exit__(None, None, None)
-    end_step()
-    _LOCAL.forward = None
-    if owner in STATE.owners:
-        STATE.owners.remove(owner)
-    if not STATE.owners:
-        uninstall()
+    """End strict mode for ``owner``; from another thread, its hooks go inert.
+
+    PyTorch lets no thread pop another's saved-tensor hooks: those stay on
+    the owner's stack until its thread next enters versionwatch, and pack
+    there records nothing once no strict watcher is open.
+    """
+    try:
+        _hookstack.pop(hooks)
+    finally:
+        end_step()
+        _LOCAL.forward = None
+        if owner in STATE.owners:
+            STATE.owners.remove(owner)
+        if not STATE.owners:
+            uninstall()
 
 
 allow_in_peek(unpack)
