@@ -42,7 +42,7 @@ from torch import nn
 
 from versionwatch import _hookstack
 from versionwatch._compat import PEEK as _PEEK
-from versionwatch._compat import allow_in_peek, storage_address
+from versionwatch._compat import HookedSaved, allow_in_peek, peek, storage_address
 from versionwatch._explain import _BACKWARD_SUFFIX
 from versionwatch._report import Hazard, Modification
 from versionwatch._sites import user_site
@@ -260,6 +260,7 @@ def pack(t: torch.Tensor) -> SavedRecord:
     return rec
 
 
+_RAW_DATA = hasattr(torch._C._autograd.SavedTensor, "data")
 _DETACHED_ERR = (
     "Trying to use a saved tensor that has been detached in-place, i.e. with .detach_()."
     "This is not supported, please use out-of-place `.detach()` instead"
@@ -344,10 +345,18 @@ def _check_detached(rec: SavedRecord) -> None:
             continue
         if attr == "_raw_saved_tensors":  # a custom Function's: outputs are not told apart
             return
-        raws = getattr(node, attr)
-        for raw in raws if isinstance(raws, (list, tuple)) else (raws,):
-            if getattr(raw, "data", None) is rec:
-                raise RuntimeError(_DETACHED_ERR)
+        if _RAW_DATA:
+            raws = getattr(node, attr)
+            found = any(getattr(raw, "data", None) is rec
+                        for raw in (raws if isinstance(raws, (list, tuple)) else (raws,)))
+        else:  # torch < 2.5 hides a raw saved tensor's data: read the slot as the predictor does
+            try:
+                _, records = peek(node, "_saved_" + attr[len("_raw_saved_"):])
+            except (HookedSaved, RuntimeError, AttributeError):
+                continue
+            found = any(r is rec for r in records)
+        if found:
+            raise RuntimeError(_DETACHED_ERR)
 
 
 def _on_detach(t: torch.Tensor) -> None:
