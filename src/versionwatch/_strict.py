@@ -101,8 +101,7 @@ class SavedRecord:
         self.module = module
         self.forward = forward
         self.writes: tuple[()] | list[Modification] = ()
-        self._silent = False
-        self.before: torch.Tensor | None = None  # the bytes a first silent write found
+        self._silent = False  # and only then ``before``: the bytes a first silent write found
 
     @property
     def silent(self) -> bool:
@@ -125,11 +124,12 @@ class SavedRecord:
         """Note a silent write about to happen; keep the bytes it may change."""
         if not self._silent:
             self._silent = True
+            self.before: torch.Tensor | None = None
             if self.tensor._version == self.version:
                 try:
                     self.before = _bytes(self.tensor).clone()
                 except (RuntimeError, TypeError):
-                    self.before = None
+                    pass
 
     def hazard(self, node: str, slot: str, kind: Literal["inplace", "silent"] = "inplace",
                detected: Literal["predicted", "at_write", "after_error"] = "predicted",
