@@ -128,7 +128,7 @@ _IGNORED = {("SaveInBackward", "saved_tensors[0]"), ("SaveBothBackward", "saved_
 
 
 def test_silent_writes_are_flagged_exactly_where_the_gradients_go_wrong() -> None:
-    flagged = read = wrong = clean = 0
+    flagged = read = wrong = clean = restored = 0
     with versionwatch.watch_all(strict=True, on_hazard=lambda report: None):
         silent_runs = {seed: _run(generate(seed, silent=True), seed, predict=True)
                        for seed in range(N_SILENT)}
@@ -151,7 +151,14 @@ def test_silent_writes_are_flagged_exactly_where_the_gradients_go_wrong() -> Non
                     f"program {seed} backward {k}: wrong gradients, not flagged\n{src}")
                 clean += 1
                 continue
-            # PyTorch rejects V here: S reads memory changed behind its back.
+            # PyTorch rejects V here: S reads memory changed behind its back,
+            # unless the writes left the saved bytes as they were (`mul_(1.5)`
+            # of zeros): then S's backward reads what was saved, and is no hazard.
+            if report.ok and s.outcomes[k].kind is None and k < len(truth.grads):
+                assert _same_grads(s.grads[k], truth.grads[k]), (
+                    f"program {seed} backward {k}: missed\n{report}\n{src}")
+                restored += 1
+                break
             # (A later node of the same backward may be freed: S would fail there.)
             assert not report.ok and report.hazards[0].kind == "silent", (
                 f"program {seed} backward {k}: missed\n{report}\n{src}")
@@ -166,12 +173,13 @@ def test_silent_writes_are_flagged_exactly_where_the_gradients_go_wrong() -> Non
                 wrong += not _same_grads(s.grads[k], truth.grads[k])
             break  # V stopped here; S went on reading changed memory
     assert flagged >= N_SILENT // 10 and clean >= N_SILENT // 2, (flagged, clean)
+    assert restored <= flagged // 10, (restored, flagged)  # a rare coincidence
     # A flagged backward reads changed memory; that changes the gradients unless
     # the change cancels out (relu's mask survives `mul_(1.5)`, a zero upstream
     # gradient, `copy_` of the same value): at 600 programs, 152 of 177.
     assert wrong >= 0.8 * read, (wrong, read)
     print(f"\nsilent programs: {flagged} flagged ({wrong} of {read} with wrong gradients), "
-          f"{clean} clean")
+          f"{clean} clean, {restored} with the saved bytes put back")
 
 
 def test_outcome_helpers_see_failures() -> None:

@@ -30,16 +30,19 @@ inside ``torch.compile`` regions a write is placed at the compiled function.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from versionwatch import _hookstack
 from versionwatch._compat import PEEK as _PEEK
-from versionwatch._compat import allow_in_peek, storage_address
+from versionwatch._compat import HookedSaved, allow_in_peek, peek, storage_address
 from versionwatch._explain import _BACKWARD_SUFFIX
 from versionwatch._report import Hazard, Modification
 from versionwatch._sites import user_site
@@ -72,8 +75,8 @@ class SavedRecord:
     what is cheap; ``writes`` stays an empty tuple until a write hits it.
     """
 
-    __slots__ = ("__weakref__", "forward", "ids", "module", "requires_grad", "silent", "tensor",
-                 "version", "writes")
+    __slots__ = ("__weakref__", "_silent", "before", "forward", "ids", "module", "requires_grad",
+                 "tensor", "version", "writes")
 
     def __init__(self, t: torch.Tensor, module: str | None, forward: str | None) -> None:
         # A leaf is kept as is, so that `p.data = t` reaches backward as it does
@@ -93,7 +96,35 @@ class SavedRecord:
         self.module = module
         self.forward = forward
         self.writes: tuple[()] | list[Modification] = ()
-        self.silent = False
+        self._silent = False  # and only then ``before``: the bytes a first silent write found
+
+    @property
+    def silent(self) -> bool:
+        """A write without a version bump hit this memory, and left other bytes.
+
+        A silent write that puts back what was there (gradcheck perturbs an
+        input through ``.data`` and restores it) changes nothing backward reads.
+        """
+        if not self._silent:
+            return False
+        before = self.before
+        if before is None:
+            return True
+        try:
+            return not torch.equal(before, _bytes(self.tensor))
+        except (RuntimeError, TypeError):  # no plain bytes to compare (quantized)
+            return True
+
+    def saw_silent_write(self) -> None:
+        """Note a silent write about to happen; keep the bytes it may change."""
+        if not self._silent:
+            self._silent = True
+            self.before: torch.Tensor | None = None
+            if self.tensor._version == self.version:
+                try:
+                    self.before = _bytes(self.tensor).clone()
+                except (RuntimeError, TypeError):
+                    pass
 
     def hazard(self, node: str, slot: str, kind: Literal["inplace", "silent"] = "inplace",
                detected: Literal["predicted", "at_write", "after_error"] = "predicted",
@@ -112,14 +143,25 @@ class SavedRecord:
                       detected=detected)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s contents as a flat byte tensor (a view where the layout allows)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
 class _Local(threading.local):
     """Per-thread strict state; class attributes are the defaults."""
 
     busy = False  # inside our own reporting: our writes are not the user's
     step: str | None = None  # label of the optimizer step running, if any
     step_checked = False  # that step's writes were checked as a whole, up front
+    step_frame: tuple[int, Any] | None = None  # id and code of the frame running the step
     forward: str | None = None  # label of the root forward running, if any
     modules: list[str] | None = None
+
+
+# Dead storages the registry may hold before a sweep; sweeping at twice the
+# live count keeps the cost per saved tensor constant.
+_PURGE_MIN = 256
 
 
 class _State:
@@ -133,7 +175,9 @@ class _State:
         # would compare tensors with ==).
         self.data_aliases: dict[int, weakref.ref[torch.Tensor]] = {}
         self.local = _Local()
-        self.purge_at = 1024
+        self.purge_at = _PURGE_MIN
+        # ids of our wrappers entered in TorchScript's builtin table, to take out.
+        self.jit_ids: list[int] = []
 
 
 STATE = _State()
@@ -162,6 +206,32 @@ def end_step() -> None:
     """
     _LOCAL.step = None
     _LOCAL.step_checked = False
+    _LOCAL.step_frame = None
+
+
+def begin_step(label: str) -> None:
+    """Enter an optimizer step (called from its pre-hook, under ``Optimizer.step``)."""
+    _LOCAL.step = label
+    # The frame that calls the pre-hooks runs the step: once it is off the
+    # stack, the step is over even if it raised (a pre-hook vetoed it). Kept
+    # by id and code: a frame holds the optimizer and the step's arguments.
+    frame = sys._getframe(3)
+    _LOCAL.step_frame = (id(frame), frame.f_code)
+
+
+def _in_step() -> bool:
+    """Whether the optimizer step this thread entered is still running."""
+    mark = _LOCAL.step_frame
+    if mark is None:
+        return True
+    key, code = mark
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if id(frame) == key and frame.f_code is code:
+            return True
+        frame = frame.f_back
+    end_step()
+    return False
 
 
 def pack(t: torch.Tensor) -> SavedRecord:
@@ -169,7 +239,7 @@ def pack(t: torch.Tensor) -> SavedRecord:
     stack = local.modules
     rec = SavedRecord(t, stack[-1] if stack else None, local.forward)
     key = _storage_key(t)
-    if key:
+    if key and STATE.owners:  # none: a hook left on a thread by a close from another
         registry = STATE.registry
         refs = registry.get(key)
         if refs is None:
@@ -177,8 +247,48 @@ def pack(t: torch.Tensor) -> SavedRecord:
             if len(registry) > STATE.purge_at:
                 _purge()
         else:
+            # Memory saved again and again (a frozen weight, an address the
+            # allocator hands out anew) would keep every dead record's ref:
+            # the oldest being dead says the list has some to drop.
+            if len(refs) > 3 and refs[0]() is None:
+                refs[:] = [r for r in refs if r() is not None]
             refs.append(weakref.ref(rec))
     return rec
+
+
+_RAW_DATA = hasattr(torch._C._autograd.SavedTensor, "data")
+_DETACHED_ERR = (
+    "Trying to use a saved tensor that has been detached in-place, i.e. with .detach_()."
+    "This is not supported, please use out-of-place `.detach()` instead"
+)
+
+
+class _Mark:
+    """What the rare paths of :func:`unpack` need to know about one record."""
+
+    __slots__ = ("detached", "ref", "user")
+
+    def __init__(self, rec: SavedRecord) -> None:
+        key = id(rec)
+
+        def forget(_: object) -> None:
+            _MARKS.pop(key, None)
+
+        self.ref = weakref.ref(rec, forget)
+        self.detached = False  # a saved non-leaf, detached in place since
+        # A user's register_hooks on the slot: (what their pack returned, their unpack).
+        self.user: tuple[Any, Callable[[Any], Any]] | None = None
+
+
+# id(record) -> its mark; one dict, so that unpack pays one check for all.
+_MARKS: dict[int, _Mark] = {}
+
+
+def _mark(rec: SavedRecord) -> _Mark:
+    m = _MARKS.get(id(rec))
+    if m is None or m.ref() is not rec:
+        m = _MARKS[id(rec)] = _Mark(rec)
+    return m
 
 
 def unpack(rec: SavedRecord) -> torch.Tensor:
@@ -187,23 +297,128 @@ def unpack(rec: SavedRecord) -> torch.Tensor:
     if peeked is not None:  # the predictor reads the record (old torch)
         peeked.append(rec)
         return t
+    mark = _MARKS.get(id(rec)) if _MARKS else None
+    if mark is not None:
+        if mark.detached:
+            _check_detached(rec)
+        if mark.user is not None:
+            if t._version != rec.version:
+                _stale(rec)
+            packed, user_unpack = mark.user
+            return user_unpack(packed)  # type: ignore[no-any-return]
     if t._version != rec.version:
-        # PyTorch skips its own check for hooked tensors: make the same one,
-        # with what the watcher needs to explain it (a write during backward,
-        # which no prediction could see).
-        node = torch._C._current_autograd_node()
-        err = RuntimeError(strict_message(rec, node))
-        err.versionwatch_saved = (  # type: ignore[attr-defined]
-            rec, node.name() if node is not None else "(unknown node)")
-        raise err
+        _stale(rec)
     return t
+
+
+def _stale(rec: SavedRecord) -> None:
+    """PyTorch skips its own version check for hooked tensors: make the same one.
+
+    With what the watcher needs to explain it (a write during backward, which
+    no prediction could see).
+    """
+    node = torch._C._current_autograd_node()
+    err = RuntimeError(strict_message(rec, node))
+    err.versionwatch_saved = (  # type: ignore[attr-defined]
+        rec, node.name() if node is not None else "(unknown node)")
+    raise err
+
+
+def _check_detached(rec: SavedRecord) -> None:
+    """Raise PyTorch's error for a saved *input* detached in place since.
+
+    Unhooked, PyTorch keeps a saved input as is and finds its grad_fn gone;
+    our hook hides that. A saved output is fine (its node is the one running).
+    Only the backward's own unpack fails: the node running names the slot.
+    """
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return
+    for attr in dir(node):
+        if not attr.startswith("_raw_saved_") or attr.startswith("_raw_saved_result"):
+            continue
+        if attr == "_raw_saved_tensors":  # a custom Function's: outputs are not told apart
+            return
+        if _RAW_DATA:
+            raws = getattr(node, attr)
+            found = any(getattr(raw, "data", None) is rec
+                        for raw in (raws if isinstance(raws, (list, tuple)) else (raws,)))
+        else:  # torch < 2.5 hides a raw saved tensor's data: read the slot as the predictor does
+            try:
+                _, records = peek(node, "_saved_" + attr[len("_raw_saved_"):])
+            except (HookedSaved, RuntimeError, AttributeError):
+                continue
+            found = any(r is rec for r in records)
+        if found:
+            raise RuntimeError(_DETACHED_ERR)
+
+
+def _on_detach(t: torch.Tensor) -> None:
+    """``t.detach_()`` is about to run: mark the records that saved ``t`` itself."""
+    if t.is_leaf:
+        return  # a leaf was saved as a leaf: PyTorch checks nothing
+    key = _storage_key(t)
+    for rec in _live(key) if key else ():
+        # A non-leaf is recorded as an alias: the id says which tensor it was.
+        if rec.ids[0] == id(t) and rec.tensor is not t:
+            _mark(rec).detached = True
+
+
+_ALREADY_HOOKED = (
+    "Calling register_hooks on a saved tensor whose hooks have already been set. "
+    "Hint: only one pair of hooks is allowed at a time."
+)
+_PACK_MODIFIED = (
+    "A saved tensor pack hook is modifying its input in place. Tensors provided as input to "
+    "pack hook can not be modified by in-place operations as this can lead to unexpected "
+    "side-effects. Please open an issue if you need to perform in-place operations on the "
+    "input to a pack hook."
+)
+
+
+def _wrap_register_hooks(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``SavedTensor.register_hooks``: on a slot strict packed, the user's hooks go inside.
+
+    PyTorch allows one pair per slot and strict holds it: the user's pack runs
+    now on the saved tensor, as PyTorch would run it, and the slot's unpack
+    runs the user's after strict's own check.
+    """
+
+    @functools.wraps(fn)
+    def register_hooks(self: Any, pack_hook: Any, unpack_hook: Any) -> None:
+        if getattr(self, "unpack_hook", None) is not unpack:
+            return fn(self, pack_hook, unpack_hook)  # type: ignore[no-any-return]
+        rec = self.data
+        mark = _mark(rec)
+        if mark.user is not None:
+            raise RuntimeError(_ALREADY_HOOKED)
+        t = rec.tensor
+        version = t._version
+        with torch.no_grad():
+            packed = pack_hook(t)
+        if t._version != version:
+            raise RuntimeError(_PACK_MODIFIED)
+        mark.user = (packed, unpack_hook)
+        return None
+
+    return register_hooks
+
+
+def _wrap_detach(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def detach_(self: torch.Tensor) -> torch.Tensor:
+        if STATE.registry:
+            _on_detach(self)
+        return fn(self)  # type: ignore[no-any-return]
+
+    return detach_
 
 
 def _purge() -> None:
     registry = STATE.registry
     for key in [k for k, refs in registry.items() if all(r() is None for r in refs)]:
         del registry[key]
-    STATE.purge_at = max(1024, 2 * len(registry))
+    STATE.purge_at = max(_PURGE_MIN, 2 * len(registry))
 
 
 def _live(key: int) -> list[SavedRecord]:
@@ -277,8 +492,10 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
     label = _LABELS.get(name, f"{name}()" if not name.endswith(")") else name)
     context = _LOCAL.step
     if context:
-        if name != "step" and _LOCAL.step_checked:
+        if name != "step" and _LOCAL.step_checked and _in_step():
             return  # the step's writes were checked, and recorded, as a whole
+        context = _LOCAL.step
+    if context:
         label = context if name == "step" else f"{context} ({label})"
     stop = STATE.owners[-1] if STATE.owners and STATE.owners[-1].stop_at_write else None
     hazards = []
@@ -288,7 +505,8 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
         if not rec.writes:
             rec.writes = []
         rec.writes.append(mod)
-        rec.silent = rec.silent or silent
+        if silent:
+            rec.saw_silent_write()
         if stop is None:
             continue  # the verdict waits for a backward: that graph may never run one
         # No node yet: a write does not tell which node saved the memory.
@@ -350,7 +568,10 @@ def _data_getter() -> property:
             on_write("data", (self,), {})
         original.__set__(self, value)
 
-    return property(get, set_, doc=original.__doc__)
+    def delete(self: torch.Tensor) -> None:
+        original.__delete__(self)  # PyTorch's own error
+
+    return property(get, set_, delete, doc=original.__doc__)
 
 
 def _has_out(fn: Any) -> bool:
@@ -358,6 +579,12 @@ def _has_out(fn: Any) -> bool:
     # The signature line (``linalg.matmul(input, other, *, out=None)``) or the
     # argument list says so; builtins have no inspectable signature.
     return "out (Tensor" in doc or "out=None" in doc.lstrip().partition("\n")[0]
+
+
+def _jit_builtins() -> dict[int, str]:
+    """TorchScript's table of builtins: id of a Python function -> its aten op."""
+    table: dict[int, str] = torch.jit._builtins._get_builtin_table()  # type: ignore[no-untyped-call]
+    return table
 
 
 def install() -> None:
@@ -373,6 +600,14 @@ def install() -> None:
         if fn is not None:
             _patch(tensor, attr, _wrap(attr, fn))
     _patch(tensor, "data", _data_getter())
+    _patch(tensor, "detach_", _wrap_detach(tensor.detach_))
+    saved: Any = torch._C._autograd.SavedTensor
+    _patch(saved, "register_hooks", _wrap_register_hooks(saved.register_hooks))
+    # TorchScript compiles a call to a torch function by the function's identity
+    # (torch.jit._builtins): our wrappers map to the same aten op, or scripting
+    # code that calls torch.relu_ (forward AD's decompositions do) would fail.
+    # Built now, before any patch, the table keeps the originals too.
+    builtins = _jit_builtins()
     for mod in (torch, torch._C._nn, torch.linalg, torch.special, torch.fft):
         prefix = "" if mod is torch or mod is torch._C._nn else mod.__name__[6:] + "."
         for attr in dir(mod):
@@ -382,22 +617,34 @@ def install() -> None:
             if not callable(fn) or isinstance(fn, type):
                 continue
             if attr.endswith("_") and attr not in _METADATA_ONLY:
-                _patch(mod, attr, _wrap(attr, fn))
+                new = _wrap(attr, fn)
             elif mod is not torch._C._nn and _has_out(fn):
-                _patch(mod, attr, _wrap_out(prefix + attr, fn))
+                new = _wrap_out(prefix + attr, fn)
+            else:
+                continue
+            _patch(mod, attr, new)
+            op = builtins.get(id(fn))
+            if op is not None:
+                builtins[id(new)] = op
+                STATE.jit_ids.append(id(new))
     # The module being run, for the records: a thin wrapper keeps nn.Module's
     # fast path (a module hook, even a global one, sends every call down the
     # slow path, which made strict mode 1.3x slower on small models).
     _patch(nn.Module, "_call_impl", _module_call(nn.Module._call_impl))
+    _hookstack.install(pack, unpack)
 
 
 def uninstall() -> None:
+    _hookstack.uninstall()
     while STATE.patches:
         owner, attr, old, had = STATE.patches.pop()
         if had:
             setattr(owner, attr, old)
         else:
             delattr(owner, attr)
+    builtins = _jit_builtins()
+    while STATE.jit_ids:  # a dead wrapper's id may be reused by anything
+        builtins.pop(STATE.jit_ids.pop(), None)
     STATE.registry.clear()
     _NAMES.clear()
     _NAME_REFS.clear()
@@ -450,19 +697,31 @@ def attach(owner: Any) -> Any:
     if not STATE.owners:
         install()
     STATE.owners.append(owner)
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-    hooks.__enter__()
-    return hooks
+    try:
+        return _hookstack.push()
+    except BaseException:
+        STATE.owners.remove(owner)
+        if not STATE.owners:
+            uninstall()
+        raise
 
 
 def detach(owner: Any, hooks: Any) -> None:
-    hooks.__exit__(None, None, None)
-    end_step()
-    _LOCAL.forward = None
-    if owner in STATE.owners:
-        STATE.owners.remove(owner)
-    if not STATE.owners:
-        uninstall()
+    """End strict mode for ``owner``; from another thread, its hooks go inert.
+
+    PyTorch lets no thread pop another's saved-tensor hooks: those stay on
+    the owner's stack until its thread next enters versionwatch, and pack
+    there records nothing once no strict watcher is open.
+    """
+    try:
+        _hookstack.pop(hooks)
+    finally:
+        end_step()
+        _LOCAL.forward = None
+        if owner in STATE.owners:
+            STATE.owners.remove(owner)
+        if not STATE.owners:
+            uninstall()
 
 
 allow_in_peek(unpack)

@@ -502,7 +502,7 @@ class Watcher:
                 )
         state.pending = (label, site, touched, notes)
         if self.strict:
-            _strict._LOCAL.step = label
+            _strict.begin_step(label)
             if _strict.STATE.registry:
                 # The step's writes, recorded (and, under stop_at_write, checked)
                 # as one before it writes anything: raising halfway would leave

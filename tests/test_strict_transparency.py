@@ -1,0 +1,322 @@
+"""Strict mode is invisible: what a program sees under it is what it sees unwatched."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import versionwatch
+
+
+def _script_calls(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = torch.matmul(x, w)
+    y = torch.add(y, 1.0)
+    return torch.relu_(y.clone())
+
+
+def test_torchscript_compiles_torch_functions_that_strict_wraps():
+    x, w = torch.ones(2, 3), torch.ones(3, 2)
+    with versionwatch.watch_all(strict=True):
+        assert torch.relu_ is not torch._C._VariableFunctions.relu_, "strict wraps it"
+        scripted = torch.jit.script(_script_calls)
+        assert torch.equal(scripted(x, w), _script_calls(x, w))
+    table = torch.jit._builtins._get_builtin_table()
+    assert table[id(torch.relu_)] == "aten::relu_"
+    assert all(op is not None for op in (table.get(id(torch.matmul)), table.get(id(torch.add))))
+
+
+def test_first_forward_ad_under_strict_works():
+    # Forward AD scripts its decompositions on its first use in a process.
+    code = textwrap.dedent("""
+        import torch, torch.autograd.forward_ad as fwAD, versionwatch
+        with versionwatch.watch_all(strict=True):
+            with fwAD.dual_level():
+                d = fwAD.make_dual(torch.ones(2), torch.full((2,), 3.0))
+                print(fwAD.unpack_dual(d * 2).tangent.tolist())
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[6.0, 6.0]"
+
+
+def test_gradcheck_restoring_its_input_is_no_hazard():
+    x = torch.rand(4, dtype=torch.double, requires_grad=True)
+    with versionwatch.watch_all(on_hazard="raise", strict=True):
+        assert torch.autograd.gradcheck(lambda t: t * t, (x,))
+
+
+def test_silent_write_that_changes_bytes_is_still_reported():
+    x = torch.rand(4, dtype=torch.double, requires_grad=True)
+    with versionwatch.watch_all(on_hazard="raise", strict=True):
+        y = (x * x).sum()
+        x.data.add_(1.0)  # changes the bytes, bumps no version
+        with pytest.raises(versionwatch.InplaceModificationError) as info:
+            y.backward()
+    assert info.value.report.hazards[0].kind == "silent"
+
+
+def test_silent_write_put_back_is_no_hazard():
+    x = torch.rand(4, dtype=torch.double, requires_grad=True)
+    with versionwatch.watch_all(on_hazard="raise", strict=True):
+        y = (x * x).sum()
+        saved = x.detach().clone()
+        x.data.add_(1.0)
+        x.data.copy_(saved)  # the bytes saved are back
+        y.backward()
+    assert torch.equal(x.grad, 2 * saved)
+
+
+def test_deleting_data_raises_pytorchs_error():
+    def attempt() -> BaseException:
+        x = torch.randn(2, requires_grad=True)
+        with pytest.raises(BaseException) as info:
+            del x.data
+        return info.value
+
+    plain = attempt()
+    with versionwatch.watch_all(strict=True):
+        watched = attempt()
+    assert type(watched) is type(plain) is RuntimeError
+    assert str(watched) == str(plain)
+
+
+class _Square(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w**2 * x).sum()
+
+
+def test_data_write_after_a_vetoed_step_is_reported():
+    model = _Square()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def veto(*_: object) -> None:
+        raise RuntimeError("vetoed")
+
+    opt.register_step_pre_hook(veto)
+    with versionwatch.watch(model, opt, strict=True, on_hazard="raise"):
+        y = model(torch.full((3,), 2.0))
+        with pytest.raises(RuntimeError, match="vetoed"):
+            opt.step()
+        model.w.data = torch.zeros(3)  # bumps no version; backward would read zeros
+        with pytest.raises(versionwatch.InplaceModificationError) as info:
+            y.backward()
+    (hz,) = info.value.report.hazards
+    assert hz.kind == "silent"
+    assert any(".data = ..." in m.description for m in hz.modified_by)
+
+
+def test_strict_memory_stays_flat_with_a_frozen_layer():
+    from versionwatch import _strict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    model[0].requires_grad_(False)  # saved every step, never written
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.01)
+    x = torch.ones(2, 4)
+    sizes = {}
+    with versionwatch.watch(model, opt, strict=True):
+        for step in range(1, 3001):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+            if step % 100 == 0:
+                lists = list(_strict.STATE.registry.values())
+                sizes[step] = (sum(map(len, lists)), max(map(len, lists)))
+    # Dead storages wait for a sweep, which keeps them under a fixed bound; the
+    # refs kept for any one storage (the frozen weight's) stay few.
+    late = [sizes[s] for s in sizes if s > 1000]
+    assert max(total for total, _ in late) <= 4 * _strict._PURGE_MIN, sizes
+    assert max(longest for _, longest in late) <= 8, sizes
+    assert not _strict.STATE.registry, "closing empties the registry"
+
+
+def _detach_then_backward(saved_input: bool) -> str:
+    a = torch.tensor(1.5, requires_grad=True).clone()
+    if saved_input:
+        loss = a.sin()  # SinBackward0 saves its input, a
+        a.detach_()
+    else:
+        y = a.exp()  # ExpBackward0 saves its output, y
+        loss = y * 1.0
+        y.detach_()
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return f"RuntimeError: {e}"
+    return "ran"
+
+
+@pytest.mark.parametrize("saved_input", [True, False])
+def test_saved_tensor_detached_in_place_behaves_as_unwatched(saved_input):
+    plain = _detach_then_backward(saved_input)
+    with versionwatch.watch_all(strict=True):
+        watched = _detach_then_backward(saved_input)
+    assert watched == plain
+    assert ("detached in-place" in plain) is saved_input
+
+
+# -- the saved-tensor hooks stack ---------------------------------------------------------
+
+
+_TOP = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _top_is(expected: str) -> bool:
+    """The entry on top of this thread's saved-tensor hooks stack is ``"none"`` or ``"ours"``.
+
+    Torch < 2.5 cannot show the top: there, only the other checks run.
+    """
+    if _TOP is None:
+        return True
+    from versionwatch import _strict
+
+    top = _TOP(False)
+    return top is None if expected == "none" else top == (_strict.pack, _strict.unpack)
+
+
+def _saves_something() -> None:
+    x = torch.ones(2, requires_grad=True)
+    (x * x).sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, 2 * torch.ones(2))
+
+
+def test_users_hooks_block_ending_inside_a_watcher_stops_calling_them():
+    calls: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return t
+
+    block = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    block.__enter__()
+    w = versionwatch.watch_all(strict=True)
+    block.__exit__(None, None, None)  # the user's block ends while strict's is open
+    n = len(calls)
+    _saves_something()
+    assert len(calls) == n, "the user's pack hook ran after their block ended"
+    w.close()
+    assert _top_is("none"), "nothing of ours, nor the user's, left on the stack"
+
+
+def test_watcher_closed_inside_a_users_block_leaves_their_hooks_on_top():
+    calls: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return t
+
+    w = versionwatch.watch_all(strict=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        w.close()
+        _saves_something()
+        assert calls, "the user's hooks are still theirs to run"
+    assert _top_is("none")
+
+
+@pytest.mark.parametrize("ctx", ["checkpoint", "save_on_cpu", "allow_mutation"])
+def test_torch_users_of_the_stack_inside_strict(ctx):
+    from torch.utils.checkpoint import checkpoint
+
+    def run() -> torch.Tensor:
+        x = torch.linspace(-1, 1, 6, requires_grad=True)
+        if ctx == "checkpoint":
+            y = checkpoint(lambda t: t.sin() * t, x, use_reentrant=False)
+        elif ctx == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                y = x.sin() * x
+        else:
+            with torch.autograd.graph.allow_mutation_on_saved_tensors():
+                y = x.sin() * x
+                y.sum().backward()
+                return x.grad
+        y.sum().backward()
+        return x.grad
+
+    plain = run()
+    with versionwatch.watch_all(strict=True):
+        watched = run()
+        assert _top_is("ours"), "strict's entry is back on top"
+    assert torch.equal(watched, plain)
+    assert _top_is("none")
+
+
+@pytest.mark.skipif(not hasattr(torch._C._autograd.SavedTensor, "unpack_hook"),
+                    reason="torch < 2.5 does not show whose hooks a raw saved tensor has")
+def test_register_hooks_on_a_slot_strict_packed():
+    def results() -> list[object]:
+        x = torch.linspace(0, 1, 5, requires_grad=True)
+        y = torch.exp(x)
+        seen: list[int] = []
+        y.grad_fn._raw_saved_result.register_hooks(lambda t: (seen.append(1), t * 1)[1],
+                                                   lambda p: (seen.append(2), p)[1])
+        y.sum().backward()
+        with pytest.raises(RuntimeError) as again:
+            y2 = torch.exp(torch.ones(2, requires_grad=True))  # keeps the node, and raw, alive
+            raw = y2.grad_fn._raw_saved_result
+            raw.register_hooks(lambda t: t, lambda t: t)
+            raw.register_hooks(lambda t: t, lambda t: t)
+        return [seen, str(again.value), x.grad.tolist()]
+
+    plain = results()
+    with versionwatch.watch_all(strict=True):
+        watched = results()
+    assert watched == plain
+
+
+def test_disable_hooks_and_torch_func_under_strict():
+    def results() -> list[object]:
+        with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+            x = torch.ones(3, requires_grad=True)
+            (x * x).sum().backward()
+            with pytest.raises(RuntimeError, match="no hooks here"):
+                with torch.autograd.graph.save_on_cpu():
+                    pass
+        g = torch.func.grad(lambda t: (t * t).sum())(torch.ones(3))
+        return [x.grad.tolist(), g.tolist()]
+
+    plain = results()
+    with versionwatch.watch_all(strict=True):
+        watched = results()
+        # Strict's entry is back: a write to saved memory is still recorded.
+        x = torch.ones(3, requires_grad=True)
+        y = x.sin()
+        x.data.mul_(2)
+        report = versionwatch.check(y.sum())
+    assert watched == plain
+    assert [h.kind for h in report.hazards] == ["silent"]
+
+
+def test_close_from_another_thread_takes_patches_off_and_pops_on_return():
+    import threading
+
+    w = versionwatch.watch_all(strict=True)
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            w.close()
+        except BaseException as e:  # reported below, on the test thread
+            errors.append(e)
+
+    t = threading.Thread(target=close)
+    t.start()
+    t.join()
+    assert not errors, errors
+    assert torch.relu_ is torch._C._VariableFunctions.relu_, "patches came off at once"
+    assert _top_is("ours"), "our entry waits on its own thread"
+    _saves_something()  # inert: nothing recorded, nothing kept
+    from versionwatch import _strict
+
+    assert not _strict.STATE.registry
+    with versionwatch.watch_all(strict=True):  # entering versionwatch again pops it
+        pass
+    assert _top_is("none")
