@@ -8,10 +8,13 @@ last ``max_history`` version changes. Tensors are held by weak reference.
 
 from __future__ import annotations
 
+import functools
+import threading
 import weakref
 from collections import deque
-from dataclasses import dataclass, replace
-from typing import NamedTuple
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -28,7 +31,9 @@ class Event:
     site: Site | None = None
     # For a forward: the autograd sequence number at its start. Nodes it creates
     # get larger ones, so a hazard's node tells which forward saved its tensor.
+    # Sequence numbers are counted per thread: only ``thread``'s compare.
     seq: int | None = None
+    thread: int = field(default_factory=threading.get_ident)
 
 
 class Transition(NamedTuple):
@@ -64,8 +69,22 @@ _Layout = tuple[
 ]
 
 
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+def _locked(method: _F) -> _F:
+    """Run under the ledger's lock: threads record, scan and blame at once."""
+
+    @functools.wraps(method)
+    def run(self: Ledger, *args: object, **kwargs: object) -> object:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
 class Ledger:
-    """Versions of the watched tensors at each event."""
+    """Versions of the watched tensors at each event. Safe to use from several threads."""
 
     def __init__(self, max_events: int = 512, max_history: int = 256) -> None:
         self.tracked: dict[int, Tracked] = {}
@@ -77,8 +96,15 @@ class Ledger:
         # The fast path of _scan: (keys, refs, tracked, last versions, last
         # snapshot) in ``tracked`` order; None after ``tracked`` changed.
         self._layout: _Layout | None = None
+        self._lock = threading.RLock()
+        # Keys of the tensors that an optimizer step in progress (on any
+        # thread) may update, with that step: another thread's event that
+        # sees them move meanwhile must blame the step, not its own interval.
+        self._stepping: dict[int, Modification] = {}
+        self._steps: dict[str, list[int]] = {}
 
     # -- tensors -------------------------------------------------------------------
+    @_locked
     def track(self, name: str, t: torch.Tensor) -> None:
         if id(t) in self.tracked and self.tracked[id(t)].ref() is t:
             return
@@ -88,10 +114,23 @@ class Ledger:
         self._layout = None
 
     # -- events --------------------------------------------------------------------
+    @_locked
+    def begin_step(self, label: str, keys: list[int], mod: Modification) -> None:
+        """A step labelled ``label`` may now update the tensors ``keys``."""
+        self._steps[label] = keys
+        for k in keys:
+            self._stepping[k] = mod
+
+    @_locked
+    def end_step(self, label: str) -> None:
+        for k in self._steps.pop(label, ()):
+            self._stepping.pop(k, None)
+
     @property
     def last_event(self) -> Event | None:
         return self.events[-1] if self.events else None
 
+    @_locked
     def sync(self, upcoming: str, site: Site | None = None) -> None:
         """Attribute changes since the last event to the interval before ``upcoming``."""
         self._between_row(self._scan(None, upcoming, site), upcoming)
@@ -105,6 +144,7 @@ class Ledger:
                                          f"(between {self.events[-1].label} and {upcoming})"))
                 self.versions.append(versions)
 
+    @_locked
     def record(
         self,
         kind: str,
@@ -149,11 +189,13 @@ class Ledger:
                     return snapshot
                 mod = cause or self._between(upcoming, site)
                 count = self.count
+                stepping = self._stepping
                 for k, (v, old) in enumerate(zip(now, last)):
                     if v != old:
                         tr = trs[k]
                         note = notes.get(keys[k], "") if notes else ""
-                        tr.history.append(Transition(old, v, count, mod, note))
+                        m = stepping.get(keys[k], mod) if stepping else mod
+                        tr.history.append(Transition(old, v, count, m, note))
                         tr.last = v
                 snapshot = dict(zip(keys, now))
                 self._layout = (keys, refs, trs, now, snapshot)
@@ -168,7 +210,7 @@ class Ledger:
             v = t._version
             versions[key] = v
             if v != tr.last:
-                mod = cause or self._between(upcoming, site)
+                mod = self._stepping.get(key) or cause or self._between(upcoming, site)
                 tr.history.append(
                     Transition(tr.last, v, self.count, mod, (notes or {}).get(key, ""))
                 )
@@ -191,6 +233,7 @@ class Ledger:
         return Modification("between_events", f"between {prev.label}{where} and {upcoming}{here}",
                             bounds=((prev.label, prev.site), (upcoming, site)))
 
+    @_locked
     def silent(self, t: torch.Tensor, mod: Modification, note: str = "") -> None:
         """A write that did not bump the version (a fused optimizer kernel)."""
         tr = self.tracked.get(id(t))
@@ -198,6 +241,7 @@ class Ledger:
             tr.history.append(Transition(t._version, t._version, self.count, mod, note))
 
     # -- blame ---------------------------------------------------------------------
+    @_locked
     def blame(self, h: Hazard, key: int) -> None:
         """Fill ``h.modified_by`` and ``h.saved_during`` from the history of tensor ``key``."""
         tr = self.tracked.get(key)
@@ -225,8 +269,12 @@ class Ledger:
         forwards = [ev for ev in self.events if ev.kind == "forward"]
         chosen = None
         if h.seq is not None:
-            # The last forward that began before the saving node was created.
-            timed = [ev for ev in forwards if ev.seq is not None and ev.seq < h.seq]
+            # The last forward that began before the saving node was created,
+            # on this thread: the backward's, taken for the node's (the node
+            # does not say which thread's counter numbered it).
+            me = threading.get_ident()
+            timed = [ev for ev in forwards
+                     if ev.seq is not None and ev.seq < h.seq and ev.thread == me]
             chosen = timed[-1] if timed else None
         if chosen is None:  # by versions: the last forward while the tensor was at `saved`
             chosen = next((ev for ev in reversed(forwards) if ev.index >= began
@@ -234,6 +282,7 @@ class Ledger:
         if chosen is not None:
             h.saved_during = chosen.label + (f" at {chosen.site}" if chosen.site else "")
 
+    @_locked
     def table(self, keys: list[int]) -> list[tuple[Event, list[int | None]]]:
         return [
             (ev, [vs.get(k) for k in keys]) for ev, vs in zip(self.events, self.versions)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from versionwatch import _forward, _strict
+from versionwatch import _forward, _inflight, _strict
 from versionwatch._call import BadCall, read_once, rejected
 from versionwatch._compat import SAVED_INTROSPECTION
 from versionwatch._config import Policy, resolve_policy
@@ -456,6 +456,10 @@ class Watcher:
         self.ledger.sync(label, site)
         touched, notes = [], {}
         params, trs = self._watched(opt)  # also adopts params added since
+        if threading.active_count() > 1:
+            # Another thread's event may scan while this step runs.
+            self.ledger.begin_step(label, [id(p) for p in params],
+                                   Modification("optimizer.step", label, site))
         fused = any(g.get("fused") for g in opt.param_groups)
         # Only fused steps need the versions before, and only zero_grad(set_to_none=
         # False) leaves marks that make notes: otherwise skip the per-param loop.
@@ -498,6 +502,7 @@ class Watcher:
             _strict.end_step()
         self.ledger.record("step", label, site, cause=Modification("optimizer.step", label, site),
                            notes=notes)
+        self.ledger.end_step(label)
         if any(g.get("fused") for g in opt.param_groups):
             # Fused kernels update parameters in place without bumping _version.
             clock = None
@@ -529,10 +534,12 @@ class Watcher:
             for w in reversed(scope):
                 names.update(w._names)
                 silent.update(w._silent)
+        flight = _inflight.Flight(self, f"backward #{n}", site, _inflight.frees(api, arguments))
         try:
             try:
                 report: Report | None = predict(outputs, inputs, api, names,  # type: ignore[arg-type]
-                                                silent or None)
+                                                silent or None,
+                                                lambda nodes: _inflight.depart(flight, nodes))
             except (TypeError, ValueError, BadCall):
                 report = None  # PyTorch will say what is wrong with the arguments
             if report is not None and not report.ok and arguments is not None \
@@ -540,6 +547,8 @@ class Watcher:
                 report = None  # PyTorch rejects the arguments before any saved tensor: its error
             if report is not None:
                 report.backward_site = site
+                if flight.freed_by:
+                    _inflight.name_freer(report, flight)
                 if not report.ok:
                     self._explain(report, scope)._dispatch(report)
             try:
@@ -553,6 +562,7 @@ class Watcher:
                 raise
         finally:
             _LOCAL.busy = False
+            _inflight.land(flight)
             if not ended:
                 self._end_backward(n)
 
