@@ -5,6 +5,7 @@ Each test compares every thread's prediction with what its real backward did.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from typing import Callable
@@ -203,7 +204,13 @@ def test_eight_threads_each_training_its_own_model() -> None:
     assert h.kind == "inplace" and h.tensor is not None
     stale = w.ledger.by_name[h.tensor].ref()
     assert any(stale is p for p in models[planted_on].parameters())
-    assert h.modified_by and "step()" in h.modified_by[0].description
+    # Blamed on its own thread's step, and every event names its thread.
+    (m,) = h.modified_by
+    assert re.fullmatch(rf"SGD(\[\d\])?\.step\(\) #{planted_at + 1} on thread trainer-{planted_on}",
+                        m.description), m.description
+    assert reports[0].thread == f"trainer-{planted_on}"
+    assert f"on thread trainer-{planted_on}" in str(reports[0])
+    assert f'"thread": "trainer-{planted_on}"' in reports[0].to_json()
 
 
 def test_hogwild_on_one_shared_model_stays_consistent() -> None:
@@ -227,3 +234,24 @@ def test_hogwild_on_one_shared_model_stays_consistent() -> None:
         assert all("modified by an inplace operation" in m for m in msgs), msgs
     for p in model.parameters():
         assert torch.isfinite(p).all()
+
+
+def test_a_fused_step_on_another_thread_is_no_false_alarm() -> None:
+    # Sequence numbers count per thread: this thread has made many nodes, a
+    # fresh thread few, so a forward there made after the fused step has
+    # smaller numbers than the step's clock, and must not pass for stale.
+    model = small_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    x = torch.ones(1, requires_grad=True)
+    for _ in range(100):
+        x = x * 1.0
+    seen = Outcomes()
+    with versionwatch.watch(model, opt, on_hazard=seen.report):
+        model(torch.randn(2, 4)).pow(2).mean().backward()
+        opt.step()  # fused: updates the weights without a version bump
+
+        def fresh() -> None:
+            seen.backward(model(torch.randn(2, 4)).pow(2).mean())
+
+        run_threads([fresh])
+    assert seen.backwards and not seen.predicted and not seen.raised

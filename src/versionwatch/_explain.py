@@ -147,7 +147,8 @@ def render_report(report: Report) -> str:
     lines = [_headline(report, h)]
     facts = _facts(h)
     if report.backward_site is not None:
-        facts.append(("backward at", str(report.backward_site)))
+        thread = f" on thread {report.thread}" if report.thread else ""
+        facts.append(("backward at", f"{report.backward_site}{thread}"))
     facts.append(("fix", h.fix))
     width = max(len(k) for k, _ in facts)
     lines += [f"  {k:<{width}}  {v}" for k, v in facts]

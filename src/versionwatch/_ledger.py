@@ -102,6 +102,10 @@ class Ledger:
         # sees them move meanwhile must blame the step, not its own interval.
         self._stepping: dict[int, Modification] = {}
         self._steps: dict[str, list[int]] = {}
+        # The first thread that recorded; once another one records, labels
+        # and causes name their thread.
+        self._first_thread: int | None = None
+        self.threaded = False
 
     # -- tensors -------------------------------------------------------------------
     @_locked
@@ -118,8 +122,13 @@ class Ledger:
     def begin_step(self, label: str, keys: list[int], mod: Modification) -> None:
         """A step labelled ``label`` may now update the tensors ``keys``."""
         self._steps[label] = keys
+        mod = replace(mod, description=self.on_thread(mod.description))
         for k in keys:
             self._stepping[k] = mod
+
+    def on_thread(self, text: str) -> str:
+        """``text`` naming the current thread, once several threads record events."""
+        return f"{text} on thread {threading.current_thread().name}" if self.threaded else text
 
     @_locked
     def end_step(self, label: str) -> None:
@@ -154,8 +163,21 @@ class Ledger:
         notes: dict[int, str] | None = None,
         seq: int | None = None,
     ) -> Event:
-        """Add an event; changes since the last one go to ``cause`` or to the interval."""
+        """Add an event; changes since the last one go to ``cause`` or to the interval.
+
+        Once events come from more than one thread, ``label`` and ``cause``
+        name the thread they happen on.
+        """
         self.count += 1
+        me = threading.get_ident()
+        if self._first_thread is None:
+            self._first_thread = me
+        elif me != self._first_thread:
+            self.threaded = True
+        if self.threaded:
+            label = self.on_thread(label)
+            if cause is not None:
+                cause = replace(cause, description=self.on_thread(cause.description))
         if kind.endswith("_end"):
             # "end of backward #2", placed at the line that started it
             start = next((e for e in reversed(self.events) if e.label == label), None)

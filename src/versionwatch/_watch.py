@@ -282,6 +282,8 @@ class Watcher:
         self._handles: list[RemovableHandle | _forward.Handle] = []
         self._optimizers: dict[int, _OptimizerState] = {}
         self._silent: dict[int, int] = {}
+        # The thread whose sequence clock each _silent entry was read on.
+        self._silent_on: dict[int, int] = {}
         self._backwards = 0
         self._closed = False
         self._thread_stack = _stack()
@@ -511,6 +513,7 @@ class Watcher:
                 if p is not None and p._version == v:
                     clock = clock if clock is not None else _seq_clock()
                     self._silent[id(p)] = clock
+                    self._silent_on[id(p)] = threading.get_ident()
                     self.ledger.silent(
                         p, Modification("optimizer.step", f"{label} (fused: no version bump)", site)
                     )
@@ -534,6 +537,8 @@ class Watcher:
             for w in reversed(scope):
                 names.update(w._names)
                 silent.update(w._silent)
+        if silent:
+            silent = self._this_thread(silent, scope)
         flight = _inflight.Flight(self, f"backward #{n}", site, _inflight.frees(api, arguments))
         try:
             try:
@@ -547,6 +552,8 @@ class Watcher:
                 report = None  # PyTorch rejects the arguments before any saved tensor: its error
             if report is not None:
                 report.backward_site = site
+                if self.ledger.threaded:
+                    report.thread = threading.current_thread().name
                 if flight.freed_by:
                     _inflight.name_freer(report, flight)
                 if not report.ok:
@@ -565,6 +572,23 @@ class Watcher:
             _inflight.land(flight)
             if not ended:
                 self._end_backward(n)
+
+    @staticmethod
+    def _this_thread(silent: dict[int, int], scope: list[Watcher]) -> dict[int, int]:
+        """The silent writes whose clock this thread's nodes can be compared with.
+
+        Sequence numbers count per thread: a clock read on the stepping thread
+        says nothing of nodes another thread made (it would call a graph made
+        after the step stale). The backward's thread stands in for the
+        forward's; a write on another thread goes unchecked (see docs/threads.md).
+        """
+        me = threading.get_ident()
+        on: dict[int, int] = {}
+        for w in reversed(scope):
+            on.update(w._silent_on)
+        if all(t == me for t in on.values()):
+            return silent
+        return {k: c for k, c in silent.items() if on.get(k, me) == me}
 
     def _end_backward(self, n: int) -> None:
         self.ledger.record("backward_end", f"backward #{n}", None,
