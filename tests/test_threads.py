@@ -255,3 +255,33 @@ def test_a_fused_step_on_another_thread_is_no_false_alarm() -> None:
 
         run_threads([fresh])
     assert seen.backwards and not seen.predicted and not seen.raised
+
+
+def test_closing_while_other_threads_run_autograd_is_clean() -> None:
+    started = threading.Barrier(3)
+    stop = threading.Event()
+    done: list[int] = []
+    w = versionwatch.watch_all()
+
+    def train() -> None:
+        model = small_model()
+        started.wait()
+        n = 0
+        while not stop.is_set() or n < 20:
+            model(torch.randn(2, 4)).sum().backward()
+            n += 1
+        done.append(n)
+
+    threads = [threading.Thread(target=train) for _ in range(2)]
+    for t in threads:
+        t.start()
+    started.wait()
+    w.close()  # while both threads are in their loops
+    stop.set()
+    for t in threads:
+        t.join(JOIN_S)
+        assert not t.is_alive()
+    assert len(done) == 2 and not w.reports
+    assert torch.autograd.backward.__module__ == "torch.autograd"
+    from versionwatch import _inflight
+    assert not _inflight._FLYING

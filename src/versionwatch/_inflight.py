@@ -152,7 +152,8 @@ def depart(flight: Flight, nodes: Sequence[Any]) -> None:
 
 def _fingerprint(nodes: Sequence[Any]) -> frozenset[tuple[str, int]]:
     # AccumulateGrad nodes all share the largest sequence number, and save nothing.
-    return frozenset((_short(n.name()), s) for n in nodes if (s := n._sequence_nr()) != _NO_SEQ)
+    # The class name is the node's name() (CopySlices less its namespace), cheaper.
+    return frozenset((type(n).__name__, s) for n in nodes if (s := n._sequence_nr()) != _NO_SEQ)
 
 
 def _short(name: str) -> str:
@@ -164,12 +165,14 @@ _NO_SEQ = (1 << 64) - 1
 
 def land(flight: Flight) -> None:
     """The backward ended (or raised): release every prediction waiting for it."""
+    held, flight.held = flight.held, []
+    if flight.frees and held:
+        flight.prints = _fingerprint(held)
     with _COND:
         flight.freed_by = []  # landed flights must not chain to older ones
-        held, flight.held, flight.nodes = flight.held, [], None
+        flight.nodes = None
         if _FLYING.pop(flight.token, None) is not None:
-            if flight.frees and held:
-                flight.prints = _fingerprint(held)
+            if flight.prints:
                 _LANDED.append(flight)
             _COND.notify_all()
     del held  # outside the lock: the last reference to a graph may go with it
