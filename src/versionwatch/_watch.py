@@ -408,8 +408,9 @@ class Watcher:
     # -- events ----------------------------------------------------------------------
     def _on_forward(self, root: str, pre: bool) -> None:
         if pre:
-            self._forwards[root] += 1
-            n = self._forwards[root]
+            with _LOCK:
+                self._forwards[root] += 1
+                n = self._forwards[root]
             # Only a forward under grad mode creates nodes to tell apart.
             seq = _seq_clock() if torch.is_grad_enabled() else None
             event = self.ledger.record("forward", self._label(root, n), user_site(3), seq=seq)
@@ -525,8 +526,9 @@ class Watcher:
         if self.strict:
             _strict.end_step()  # past any step, even one that raised (or in a closure)
         site = user_site(3)
-        self._backwards += 1
-        n = self._backwards
+        with _LOCK:  # threads number their backwards from one counter
+            self._backwards += 1
+            n = self._backwards
         self.ledger.record("backward", f"backward #{n}", site)
         _LOCAL.busy = True
         ended = False
