@@ -177,12 +177,13 @@ def small_model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
-def test_eight_threads_each_training_its_own_model() -> None:
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_eight_threads_each_training_its_own_model(strict: bool) -> None:
     seen = Outcomes()
     planted_on = 5
     planted_at = 150
     models = [small_model() for _ in range(8)]
-    with versionwatch.watch_all(on_hazard=seen.report) as w:
+    with versionwatch.watch_all(on_hazard=seen.report, strict=strict) as w:
         def train(k: int) -> None:
             model = models[k]
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -213,13 +214,14 @@ def test_eight_threads_each_training_its_own_model() -> None:
     assert f'"thread": "trainer-{planted_on}"' in reports[0].to_json()
 
 
-def test_hogwild_on_one_shared_model_stays_consistent() -> None:
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_hogwild_on_one_shared_model_stays_consistent(strict: bool) -> None:
     # Threads step one model's parameters while others run backward through
     # graphs that saved them. Whichever interleaving happens, no prediction is
     # a false alarm (versions only grow), and every failure is explained.
     model = small_model()
     seen = Outcomes()
-    with versionwatch.watch_all(on_hazard=seen.report):
+    with versionwatch.watch_all(on_hazard=seen.report, strict=strict) as w:
         def train() -> None:
             opt = torch.optim.SGD(model.parameters(), lr=0.001)
             for _ in range(50):
@@ -234,6 +236,13 @@ def test_hogwild_on_one_shared_model_stays_consistent() -> None:
         assert all("modified by an inplace operation" in m for m in msgs), msgs
     for p in model.parameters():
         assert torch.isfinite(p).all()
+        # The ledger saw every version, in order, each move once.
+        tr = w.ledger.tracked[id(p)]
+        assert tr.last == p._version
+        moves = list(tr.history)
+        assert all(a.new == b.old for a, b in zip(moves, moves[1:]))
+        assert all(m.modification.kind == "optimizer.step" for m in moves), [
+            m.modification.description for m in moves if m.modification.kind != "optimizer.step"]
 
 
 def test_a_fused_step_on_another_thread_is_no_false_alarm() -> None:

@@ -100,8 +100,9 @@ class Ledger:
         # Keys of the tensors that an optimizer step in progress (on any
         # thread) may update, with that step: another thread's event that
         # sees them move meanwhile must blame the step, not its own interval.
-        self._stepping: dict[int, Modification] = {}
-        self._steps: dict[str, list[int]] = {}
+        # Hogwild: several steps at once may update one tensor; the newest is blamed.
+        self._stepping: dict[int, list[Modification]] = {}
+        self._steps: dict[str, tuple[list[int], Modification]] = {}
         # The first thread that recorded; once another one records, labels
         # and causes name their thread.
         self._first_thread: int | None = None
@@ -121,10 +122,10 @@ class Ledger:
     @_locked
     def begin_step(self, label: str, keys: list[int], mod: Modification) -> None:
         """A step labelled ``label`` may now update the tensors ``keys``."""
-        self._steps[label] = keys
         mod = replace(mod, description=self.on_thread(mod.description))
+        self._steps[label] = (keys, mod)
         for k in keys:
-            self._stepping[k] = mod
+            self._stepping.setdefault(k, []).append(mod)
 
     def on_thread(self, text: str) -> str:
         """``text`` naming the current thread, once several threads record events."""
@@ -132,8 +133,13 @@ class Ledger:
 
     @_locked
     def end_step(self, label: str) -> None:
-        for k in self._steps.pop(label, ()):
-            self._stepping.pop(k, None)
+        keys, mod = self._steps.pop(label, ((), None))
+        for k in keys:
+            mods = self._stepping.get(k)
+            if mods is not None and mod in mods:
+                mods.remove(mod)
+                if not mods:
+                    del self._stepping[k]
 
     @property
     def last_event(self) -> Event | None:
@@ -216,7 +222,7 @@ class Ledger:
                     if v != old:
                         tr = trs[k]
                         note = notes.get(keys[k], "") if notes else ""
-                        m = stepping.get(keys[k], mod) if stepping else mod
+                        m = stepping[keys[k]][-1] if stepping and keys[k] in stepping else mod
                         tr.history.append(Transition(old, v, count, m, note))
                         tr.last = v
                 snapshot = dict(zip(keys, now))
@@ -232,7 +238,8 @@ class Ledger:
             v = t._version
             versions[key] = v
             if v != tr.last:
-                mod = self._stepping.get(key) or cause or self._between(upcoming, site)
+                steps = self._stepping.get(key)
+                mod = steps[-1] if steps else cause or self._between(upcoming, site)
                 tr.history.append(
                     Transition(tr.last, v, self.count, mod, (notes or {}).get(key, ""))
                 )
