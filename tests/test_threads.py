@@ -13,7 +13,6 @@ from typing import Callable
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import versionwatch
 from versionwatch import Report
@@ -155,19 +154,23 @@ def test_disjoint_graphs_do_not_wait_for_each_other() -> None:
 
 
 def test_backward_inside_a_backward_never_waits() -> None:
-    # A reentrant checkpoint runs a backward inside the outer one, over nodes
-    # the outer flight holds; another thread is alive so flights record nodes.
+    # A hook runs a backward inside the outer one, over nodes the outer
+    # flight holds; another thread is alive so flights record their nodes.
     idle = threading.Event()
     keeper = threading.Thread(target=idle.wait, args=(JOIN_S,))
     keeper.start()
     try:
         lin = nn.Linear(4, 4)
+        inner: list[torch.Tensor] = []
         with versionwatch.watch(lin) as w:
-            def inner() -> None:
-                out = checkpoint(lin, torch.randn(2, 4, requires_grad=True), use_reentrant=True)
+            def outer() -> None:
+                h = lin(torch.randn(2, 4))
+                out, total = h.tanh(), h.sum()
+                out.register_hook(lambda g: inner.append(
+                    torch.autograd.grad(total, lin.weight, retain_graph=True)[0]))
                 out.sum().backward()
-            run_threads([inner])
-        assert lin.weight.grad is not None and not w.reports
+            run_threads([outer])
+        assert len(inner) == 1 and lin.weight.grad is not None and not w.reports
     finally:
         idle.set()
         keeper.join()
