@@ -154,7 +154,8 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
     lines = [_headline(report, h)]
     facts = _facts(h)
     if report.backward_site is not None:
-        facts.append(("backward at", str(report.backward_site)))
+        thread = f" on thread {report.thread}" if report.thread else ""
+        facts.append(("backward at", f"{report.backward_site}{thread}"))
     facts.append(("fix", h.fix))
     if torch_message and h.torch_message:
         facts.append(("pytorch", h.torch_message))

@@ -8,10 +8,13 @@ last ``max_history`` version changes. Tensors are held by weak reference.
 
 from __future__ import annotations
 
+import functools
+import threading
 import weakref
 from collections import deque
-from dataclasses import dataclass, replace
-from typing import NamedTuple
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -28,7 +31,9 @@ class Event:
     site: Site | None = None
     # For a forward: the autograd sequence number at its start. Nodes it creates
     # get larger ones, so a hazard's node tells which forward saved its tensor.
+    # Sequence numbers are counted per thread: only ``thread``'s compare.
     seq: int | None = None
+    thread: int = field(default_factory=threading.get_ident)
 
 
 class Transition(NamedTuple):
@@ -64,8 +69,22 @@ _Layout = tuple[
 ]
 
 
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+def _locked(method: _F) -> _F:
+    """Run under the ledger's lock: threads record, scan and blame at once."""
+
+    @functools.wraps(method)
+    def run(self: Ledger, *args: object, **kwargs: object) -> object:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
 class Ledger:
-    """Versions of the watched tensors at each event."""
+    """Versions of the watched tensors at each event. Safe to use from several threads."""
 
     def __init__(self, max_events: int = 512, max_history: int = 256) -> None:
         self.tracked: dict[int, Tracked] = {}
@@ -77,8 +96,20 @@ class Ledger:
         # The fast path of _scan: (keys, refs, tracked, last versions, last
         # snapshot) in ``tracked`` order; None after ``tracked`` changed.
         self._layout: _Layout | None = None
+        self._lock = threading.RLock()
+        # Keys of the tensors that an optimizer step in progress (on any
+        # thread) may update, with that step: another thread's event that
+        # sees them move meanwhile must blame the step, not its own interval.
+        # Hogwild: several steps at once may update one tensor; the newest is blamed.
+        self._stepping: dict[int, list[Modification]] = {}
+        self._steps: dict[str, tuple[list[int], Modification]] = {}
+        # The first thread that recorded; once another one records, labels
+        # and causes name their thread.
+        self._first_thread: int | None = None
+        self.threaded = False
 
     # -- tensors -------------------------------------------------------------------
+    @_locked
     def track(self, name: str, t: torch.Tensor) -> None:
         if id(t) in self.tracked and self.tracked[id(t)].ref() is t:
             return
@@ -88,10 +119,33 @@ class Ledger:
         self._layout = None
 
     # -- events --------------------------------------------------------------------
+    @_locked
+    def begin_step(self, label: str, keys: list[int], mod: Modification) -> None:
+        """A step labelled ``label`` may now update the tensors ``keys``."""
+        mod = replace(mod, description=self.on_thread(mod.description))
+        self._steps[label] = (keys, mod)
+        for k in keys:
+            self._stepping.setdefault(k, []).append(mod)
+
+    def on_thread(self, text: str) -> str:
+        """``text`` naming the current thread, once several threads record events."""
+        return f"{text} on thread {threading.current_thread().name}" if self.threaded else text
+
+    @_locked
+    def end_step(self, label: str) -> None:
+        keys, mod = self._steps.pop(label, ((), None))
+        for k in keys:
+            mods = self._stepping.get(k)
+            if mods is not None and mod in mods:
+                mods.remove(mod)
+                if not mods:
+                    del self._stepping[k]
+
     @property
     def last_event(self) -> Event | None:
         return self.events[-1] if self.events else None
 
+    @_locked
     def sync(self, upcoming: str, site: Site | None = None) -> None:
         """Attribute changes since the last event to the interval before ``upcoming``."""
         self._between_row(self._scan(None, upcoming, site), upcoming)
@@ -105,6 +159,7 @@ class Ledger:
                                          f"(between {self.events[-1].label} and {upcoming})"))
                 self.versions.append(versions)
 
+    @_locked
     def record(
         self,
         kind: str,
@@ -114,8 +169,21 @@ class Ledger:
         notes: dict[int, str] | None = None,
         seq: int | None = None,
     ) -> Event:
-        """Add an event; changes since the last one go to ``cause`` or to the interval."""
+        """Add an event; changes since the last one go to ``cause`` or to the interval.
+
+        Once events come from more than one thread, ``label`` and ``cause``
+        name the thread they happen on.
+        """
         self.count += 1
+        me = threading.get_ident()
+        if self._first_thread is None:
+            self._first_thread = me
+        elif me != self._first_thread:
+            self.threaded = True
+        if self.threaded:
+            label = self.on_thread(label)
+            if cause is not None:
+                cause = replace(cause, description=self.on_thread(cause.description))
         if kind.endswith("_end"):
             # "end of backward #2", placed at the line that started it
             start = next((e for e in reversed(self.events) if e.label == label), None)
@@ -149,11 +217,13 @@ class Ledger:
                     return snapshot
                 mod = cause or self._between(upcoming, site)
                 count = self.count
+                stepping = self._stepping
                 for k, (v, old) in enumerate(zip(now, last)):
                     if v != old:
                         tr = trs[k]
                         note = notes.get(keys[k], "") if notes else ""
-                        tr.history.append(Transition(old, v, count, mod, note))
+                        m = stepping[keys[k]][-1] if stepping and keys[k] in stepping else mod
+                        tr.history.append(Transition(old, v, count, m, note))
                         tr.last = v
                 snapshot = dict(zip(keys, now))
                 self._layout = (keys, refs, trs, now, snapshot)
@@ -168,7 +238,8 @@ class Ledger:
             v = t._version
             versions[key] = v
             if v != tr.last:
-                mod = cause or self._between(upcoming, site)
+                steps = self._stepping.get(key)
+                mod = steps[-1] if steps else cause or self._between(upcoming, site)
                 tr.history.append(
                     Transition(tr.last, v, self.count, mod, (notes or {}).get(key, ""))
                 )
@@ -191,6 +262,7 @@ class Ledger:
         return Modification("between_events", f"between {prev.label}{where} and {upcoming}{here}",
                             bounds=((prev.label, prev.site), (upcoming, site)))
 
+    @_locked
     def silent(self, t: torch.Tensor, mod: Modification, note: str = "") -> None:
         """A write that did not bump the version (a fused optimizer kernel)."""
         tr = self.tracked.get(id(t))
@@ -198,6 +270,7 @@ class Ledger:
             tr.history.append(Transition(t._version, t._version, self.count, mod, note))
 
     # -- blame ---------------------------------------------------------------------
+    @_locked
     def blame(self, h: Hazard, key: int) -> None:
         """Fill ``h.modified_by`` and ``h.saved_during`` from the history of tensor ``key``."""
         tr = self.tracked.get(key)
@@ -225,8 +298,12 @@ class Ledger:
         forwards = [ev for ev in self.events if ev.kind == "forward"]
         chosen = None
         if h.seq is not None:
-            # The last forward that began before the saving node was created.
-            timed = [ev for ev in forwards if ev.seq is not None and ev.seq < h.seq]
+            # The last forward that began before the saving node was created,
+            # on this thread: the backward's, taken for the node's (the node
+            # does not say which thread's counter numbered it).
+            me = threading.get_ident()
+            timed = [ev for ev in forwards
+                     if ev.seq is not None and ev.seq < h.seq and ev.thread == me]
             chosen = timed[-1] if timed else None
         if chosen is None:  # by versions: the last forward while the tensor was at `saved`
             chosen = next((ev for ev in reversed(forwards) if ev.index >= began
@@ -234,6 +311,7 @@ class Ledger:
         if chosen is not None:
             h.saved_during = chosen.label + (f" at {chosen.site}" if chosen.site else "")
 
+    @_locked
     def table(self, keys: list[int]) -> list[tuple[Event, list[int | None]]]:
         return [
             (ev, [vs.get(k) for k in keys]) for ev, vs in zip(self.events, self.versions)

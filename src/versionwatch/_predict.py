@@ -16,7 +16,7 @@ import heapq
 import math
 import re
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Union
 
 import torch
@@ -871,21 +871,24 @@ def predict(
     api: Api,
     name_map: dict[int, str],
     silent: dict[int, int] | None = None,
+    gate: Callable[[Sequence[Node]], None] | None = None,
 ) -> Report:
     """:func:`check` for a watcher: names resolved, silent writes known.
 
     Only the outputs and inputs are judged here; a watcher leaves the rest of
-    the call's arguments to PyTorch.
+    the call's arguments to PyTorch. ``gate`` gets the walked nodes before any
+    saved tensor is read (it may wait for other threads' backwards).
 
     Raises:
         TypeError: ``outputs`` or ``inputs`` is not tensors at all.
         BadCall: PyTorch rejects the outputs or inputs.
     """
-    return _predict(parse(api, outputs, inputs), name_map, silent)[0]
+    return _predict(parse(api, outputs, inputs), name_map, silent, gate)[0]
 
 
 def _predict(
-    call: Call, name_map: dict[int, str], silent: dict[int, int] | None = None
+    call: Call, name_map: dict[int, str], silent: dict[int, int] | None = None,
+    gate: Callable[[Sequence[Node]], None] | None = None,
 ) -> tuple[Report, list[int]]:
     """The report, and the indices of the inputs that no gradient would reach."""
     outs, ins = call.outputs, call.inputs
@@ -903,11 +906,15 @@ def _predict(
         if ins is None:
             # Every reachable node runs: no need to work out which.
             graph.walk(roots)
+            if gate is not None:
+                gate(graph.nodes)
             checker.run(graph.nodes)
             executed = [True] * len(graph.nodes)
             count = len(graph.nodes)
         else:
             graph.walk(roots)
+            if gate is not None:
+                gate(graph.nodes)
             targets, unreached = _targets(graph, call, root_edges, leaf_roots)
             executed = _executed(graph, targets, accumulate=call.api == "backward")
             checker.run(graph.nodes, executed)

@@ -176,6 +176,8 @@ class Report:
         nodes: how many autograd nodes the backward would execute.
         saved_checked: how many saved tensors were verified.
         backward_site: the user's backward call, when a watcher knows it.
+        thread: the name of the thread that called it, once several threads
+            have run watched events.
 
     Example:
         >>> import torch, versionwatch
@@ -193,6 +195,7 @@ class Report:
     saved_checked: int = 0
     backward_site: Site | None = None
     timeline: Any = None
+    thread: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -216,6 +219,8 @@ class Report:
         for h in self.hazards:
             d = h.to_dict()
             d["backward_site"] = {"file": site.file, "line": site.line} if site else None
+            if site and self.thread:
+                d["backward_site"]["thread"] = self.thread
             hazards.append(d)
         timeline = self.timeline.to_dict() if self.timeline is not None else {}
         return {

@@ -416,8 +416,9 @@ def _wrap_detach(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _purge() -> None:
     registry = STATE.registry
-    for key in [k for k, refs in registry.items() if all(r() is None for r in refs)]:
-        del registry[key]
+    # list() copies at once: a writer on another thread may prune meanwhile.
+    for key in [k for k, refs in list(registry.items()) if all(r() is None for r in refs)]:
+        registry.pop(key, None)
     STATE.purge_at = max(_PURGE_MIN, 2 * len(registry))
 
 
@@ -430,7 +431,7 @@ def _live(key: int) -> list[SavedRecord]:
         if live:
             STATE.registry[key] = [weakref.ref(rec) for rec in live]
         else:
-            del STATE.registry[key]
+            STATE.registry.pop(key, None)  # another thread's write may have pruned it
     return live
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from versionwatch import _forward, _strict
+from versionwatch import _forward, _inflight, _strict
 from versionwatch._call import BadCall, read_once, rejected
 from versionwatch._compat import SAVED_INTROSPECTION
 from versionwatch._config import Policy, resolve_policy
@@ -233,7 +233,7 @@ def _match_ledger(h: Hazard, scope: list[Watcher]) -> None:
     now, saved = h.current_version, h.saved_version
     found: list[tuple[int, Tracked, torch.Tensor]] = []
     for w in scope:
-        for key, tr in w.ledger.tracked.items():
+        for key, tr in list(w.ledger.tracked.items()):  # another thread may adopt
             t = tr.ref()
             if (t is None or t._version != now
                     or (h.shape is not None and tuple(t.shape) != h.shape)
@@ -306,6 +306,8 @@ class Watcher:
         self._handles: list[RemovableHandle | _forward.Handle] = []
         self._optimizers: dict[int, _OptimizerState] = {}
         self._silent: dict[int, int] = {}
+        # The thread whose sequence clock each _silent entry was read on.
+        self._silent_on: dict[int, int] = {}
         self._backwards = 0
         self._closed = False
         self._thread_stack = _stack()
@@ -430,8 +432,9 @@ class Watcher:
     # -- events ----------------------------------------------------------------------
     def _on_forward(self, root: str, pre: bool) -> None:
         if pre:
-            self._forwards[root] += 1
-            n = self._forwards[root]
+            with _LOCK:
+                self._forwards[root] += 1
+                n = self._forwards[root]
             # Only a forward under grad mode creates nodes to tell apart.
             seq = _seq_clock() if torch.is_grad_enabled() else None
             event = self.ledger.record("forward", self._label(root, n), user_site(3), seq=seq)
@@ -480,6 +483,10 @@ class Watcher:
         self.ledger.sync(label, site)
         touched, notes = [], {}
         params, trs = self._watched(opt)  # also adopts params added since
+        if threading.active_count() > 1:
+            # Another thread's event may scan while this step runs.
+            self.ledger.begin_step(label, [id(p) for p in params],
+                                   Modification("optimizer.step", label, site))
         fused = any(g.get("fused") for g in opt.param_groups)
         # Only fused steps need the versions before, and only zero_grad(set_to_none=
         # False) leaves marks that make notes: otherwise skip the per-param loop.
@@ -522,6 +529,7 @@ class Watcher:
             _strict.end_step()
         self.ledger.record("step", label, site, cause=Modification("optimizer.step", label, site),
                            notes=notes)
+        self.ledger.end_step(label)
         if any(g.get("fused") for g in opt.param_groups):
             # Fused kernels update parameters in place without bumping _version.
             clock = None
@@ -530,6 +538,7 @@ class Watcher:
                 if p is not None and p._version == v:
                     clock = clock if clock is not None else _seq_clock()
                     self._silent[id(p)] = clock
+                    self._silent_on[id(p)] = threading.get_ident()
                     self.ledger.silent(
                         p, Modification("optimizer.step", f"{label} (fused: no version bump)", site)
                     )
@@ -541,8 +550,9 @@ class Watcher:
         if self.strict:
             _strict.end_step()  # past any step, even one that raised (or in a closure)
         site = user_site(3)
-        self._backwards += 1
-        n = self._backwards
+        with _LOCK:  # threads number their backwards from one counter
+            self._backwards += 1
+            n = self._backwards
         self.ledger.record("backward", f"backward #{n}", site)
         _LOCAL.busy = True
         ended = False
@@ -553,10 +563,14 @@ class Watcher:
             for w in reversed(scope):
                 names.update(w._names)
                 silent.update(w._silent)
+        if silent:
+            silent = self._this_thread(silent, scope)
+        flight = _inflight.Flight(self, f"backward #{n}", site, _inflight.frees(api, arguments))
         try:
             try:
                 report: Report | None = predict(outputs, inputs, api, names,  # type: ignore[arg-type]
-                                                silent or None)
+                                                silent or None,
+                                                lambda nodes: _inflight.depart(flight, nodes))
             except (TypeError, ValueError, BadCall):
                 report = None  # PyTorch will say what is wrong with the arguments
             if report is not None and not report.ok and arguments is not None \
@@ -564,6 +578,10 @@ class Watcher:
                 report = None  # PyTorch rejects the arguments before any saved tensor: its error
             if report is not None:
                 report.backward_site = site
+                if self.ledger.threaded:
+                    report.thread = threading.current_thread().name
+                if flight.freed_by:
+                    _inflight.name_freer(report, flight)
                 if not report.ok:
                     self._explain(report, scope)._dispatch(report)
             try:
@@ -577,6 +595,7 @@ class Watcher:
                 raise
         finally:
             _LOCAL.busy = False
+            _inflight.land(flight)
             if not ended:
                 self._end_backward(n)
 
@@ -587,6 +606,23 @@ class Watcher:
             logger.debug("versionwatch: backward inside a torch.func transform (grad, vjp, "
                          "jacrev, hessian, vmap) runs unpredicted: its tensors are functorch "
                          "wrappers; backwards outside transforms are predicted as usual")
+
+    @staticmethod
+    def _this_thread(silent: dict[int, int], scope: list[Watcher]) -> dict[int, int]:
+        """The silent writes whose clock this thread's nodes can be compared with.
+
+        Sequence numbers count per thread: a clock read on the stepping thread
+        says nothing of nodes another thread made (it would call a graph made
+        after the step stale). The backward's thread stands in for the
+        forward's; a write on another thread goes unchecked (see docs/threads.md).
+        """
+        me = threading.get_ident()
+        on: dict[int, int] = {}
+        for w in reversed(scope):
+            on.update(w._silent_on)
+        if all(t == me for t in on.values()):
+            return silent
+        return {k: c for k, c in silent.items() if on.get(k, me) == me}
 
     def _end_backward(self, n: int) -> None:
         self.ledger.record("backward_end", f"backward #{n}", None,

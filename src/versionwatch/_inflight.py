@@ -1,0 +1,213 @@
+"""Backwards in flight: a prediction waits for other threads' backwards over its graph.
+
+Why: a backward with ``retain_graph=False`` frees the saved tensors of every
+node it runs. A prediction made on thread B while thread A's backward is
+still running over a shared part of the graph reads those tensors before A
+frees them, and predicts "ok" for a backward that PyTorch then fails. So each
+watched backward holds a :class:`Flight` on the nodes it walked from its
+prediction to its end, and a prediction that shares a node with another
+thread's flight waits for that flight to land, then predicts what PyTorch
+will see.
+
+What never waits: a backward started while this thread runs a graph task (a
+reentrant checkpoint, a hook that calls backward, on the caller's or a device
+thread), whose outer backward may be the very flight it would wait for.
+Flights over disjoint graphs run concurrently.
+
+Node identity: a node's Python wrapper lives only while something holds it,
+and the next walk may get a new one, at a reused address. So a flight in the
+air holds the wrappers its prediction walked (only while the process runs
+several threads, and only until it lands: what a backward runs is alive
+anyway), and another thread's walk then meets the very same wrappers, whose
+``id()``s compare exactly. A landed flight keeps a fingerprint instead (each
+node's class and sequence number), used only to name who freed a graph.
+
+While the process runs one Python thread, flights record no nodes: a
+single-threaded program pays one lock round trip per backward. A flight
+without nodes (its thread was alone when it took off) blocks every other
+thread's prediction until it lands.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from versionwatch._report import Report, Site
+
+# A safety valve, not a tuning knob: user code inside a backward (a hook that
+# joins a thread) could block on a thread that waits here. After this long the
+# prediction runs anyway, racing as it would without a watcher.
+WAIT_LIMIT_S = 60.0
+
+_COND = threading.Condition(threading.Lock())
+_FLYING: dict[int, Flight] = {}
+# Landed flights, newest last: who freed a graph that a later prediction finds freed.
+_LANDED: deque[Flight] = deque(maxlen=32)
+_TOKENS = iter(range(1, 1 << 62))
+
+
+class _Serial(threading.local):
+    # get_ident() is reused once a thread ends: a landed flight of a dead
+    # thread must not pass for the current thread's own.
+    value = 0
+
+
+_SERIAL = _Serial()
+_SERIALS = iter(range(1, 1 << 62))
+
+
+def _thread_serial() -> int:
+    if not _SERIAL.value:
+        with _COND:
+            _SERIAL.value = next(_SERIALS)
+    return _SERIAL.value
+
+
+def _in_graph_task() -> bool:
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and int(task_id()) != -1
+
+
+class Flight:
+    """One watched backward, from its prediction to its end.
+
+    Attributes:
+        thread: a number for the thread that called it, unique in the process.
+        thread_name: that thread's name.
+        label: the watcher's event label (``"backward #3"``).
+        site: where the user called it.
+        nodes: ``id()`` of each node its prediction walked (``held`` keeps
+            them valid until it lands); ``None`` while the program had one thread.
+        prints: after landing, the fingerprint of the nodes it freed.
+        frees: it runs without ``retain_graph``: it frees what it runs.
+        owner: ``id()`` of the watcher that labelled it.
+        freed_by: freeing flights of other threads of the same watcher that
+            may have freed part of its graph: the landed ones first, then the
+            last ``exact`` ones, which shared a node with it in the air.
+    """
+
+    __slots__ = ("exact", "freed_by", "frees", "held", "label", "nodes", "owner", "prints",
+                 "site", "thread", "thread_name", "token")
+
+    def __init__(self, owner: object, label: str, site: Site | None,
+                 frees: bool = True) -> None:
+        self.owner = id(owner)
+        self.exact = 0
+        self.thread = _thread_serial()
+        self.thread_name = threading.current_thread().name
+        self.label = label
+        self.site = site
+        self.frees = frees
+        self.nodes: frozenset[int] | None = None
+        self.held: list[Any] = []
+        self.prints: frozenset[tuple[str, int]] = frozenset()
+        self.freed_by: list[Flight] = []
+        self.token = 0
+
+    def describe(self) -> str:
+        """``backward #3 on thread worker-1 at train.py:12``."""
+        text = f"{self.label} on thread {self.thread_name}"
+        return f"{text} at {self.site}" if self.site is not None else text
+
+
+def _shares(a: Flight, nodes: frozenset[int] | None) -> bool:
+    if a.nodes is None or nodes is None:
+        return True  # unknown graph: assume the worst
+    return not a.nodes.isdisjoint(nodes)
+
+
+def depart(flight: Flight, nodes: Sequence[Any]) -> None:
+    """Wait until no other thread's flight shares a node with ``nodes``, then take off.
+
+    Called with the walked graph, before any saved tensor is read.
+    """
+    me = flight.thread
+    held = list(nodes) if threading.active_count() > 1 else []
+    ids = frozenset(map(id, held)) if held else None
+    nested = _in_graph_task()
+    with _COND:
+        if ids is None and threading.active_count() > 1:
+            held = list(nodes)  # a thread started meanwhile
+            ids = frozenset(map(id, held))
+        flight.nodes, flight.held = ids, held
+
+        def blocking() -> list[Flight]:
+            return [f for f in _FLYING.values() if f.thread != me and _shares(f, ids)]
+
+        if not nested:
+            _COND.wait_for(lambda: not blocking(), timeout=WAIT_LIMIT_S)
+        if ids is not None:
+            exact = [f for f in _FLYING.values() if f.thread != me and f.frees
+                     and f.nodes is not None and not f.nodes.isdisjoint(ids)]
+            landed = [f for f in _LANDED if f.thread != me and f.owner == flight.owner]
+            flight.freed_by, flight.exact = landed + exact, len(exact)
+        flight.token = next(_TOKENS)
+        _FLYING[flight.token] = flight
+
+
+def _fingerprint(nodes: Sequence[Any]) -> frozenset[tuple[str, int]]:
+    # AccumulateGrad nodes all share the largest sequence number, and save nothing.
+    # The class name is the node's name() (CopySlices less its namespace), cheaper.
+    return frozenset((type(n).__name__, s) for n in nodes if (s := n._sequence_nr()) != _NO_SEQ)
+
+
+def _short(name: str) -> str:
+    return name.rsplit("::", 1)[-1]
+
+
+_NO_SEQ = (1 << 64) - 1
+
+
+def land(flight: Flight) -> None:
+    """The backward ended (or raised): release every prediction waiting for it."""
+    held, flight.held = flight.held, []
+    if flight.frees and held:
+        flight.prints = _fingerprint(held)
+    with _COND:
+        flight.freed_by = []  # landed flights must not chain to older ones
+        flight.nodes = None
+        if _FLYING.pop(flight.token, None) is not None:
+            if flight.prints:
+                _LANDED.append(flight)
+            _COND.notify_all()
+    del held  # outside the lock: the last reference to a graph may go with it
+
+
+def name_freer(report: Report, flight: Flight) -> None:
+    """Note on each freed hazard the other thread's backward that freed it.
+
+    A flight that shared a node with this one in the air is known exactly. A
+    landed one is matched by the freed node's name and sequence number; a
+    node of the same name and number on another thread's own graph can match
+    too (sequence numbers are per thread), so the newest match is named.
+    """
+    for h in report.hazards:
+        if h.kind != "freed":
+            continue
+        freer = None
+        if flight.exact:
+            freer = flight.freed_by[-1]
+        elif h.seq is not None:
+            key = (_short(h.node), h.seq)
+            freer = next((f for f in reversed(flight.freed_by) if key in f.prints), None)
+        if freer is not None:
+            h.notes.append(f"freed by {freer.describe()}, which shares this part of the "
+                           "graph and ran first without retain_graph=True")
+
+
+def frees(api: str, arguments: tuple[tuple[Any, ...], dict[str, Any]] | None) -> bool:
+    """Whether a ``backward``/``grad`` call with these arguments frees the graph it runs."""
+    if arguments is None:
+        return True
+    args, kwargs = arguments
+    # backward(tensors, grad_tensors, retain_graph, create_graph, ...);
+    # grad(outputs, inputs, grad_outputs, retain_graph, create_graph, ...)
+    at = 2 if api == "backward" else 3
+    retain = args[at] if len(args) > at else kwargs.get("retain_graph")
+    create = args[at + 1] if len(args) > at + 1 else kwargs.get("create_graph", False)
+    return not (create if retain is None else retain)

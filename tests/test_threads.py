@@ -1,0 +1,299 @@
+"""Several threads running autograd under one watcher: predictions stay exact.
+
+Each test compares every thread's prediction with what its real backward did.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import versionwatch
+from versionwatch import Report
+
+# Generous: a test that would deadlock fails instead of hanging the suite.
+JOIN_S = 60.0
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv("VERSIONWATCH_ON_HAZARD", raising=False)
+    yield
+
+
+def run_threads(targets: list[Callable[[], None]], names: list[str] | None = None) -> None:
+    errors: list[BaseException] = []
+
+    def wrap(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # reraised on the test's thread
+                errors.append(e)
+        return run
+
+    threads = [threading.Thread(target=wrap(fn), name=names[i] if names else None)
+               for i, fn in enumerate(targets)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN_S)
+        assert not t.is_alive(), "a thread is stuck: deadlock"
+    if errors:
+        raise errors[0]
+
+
+class Outcomes:
+    """Per thread: what the watcher predicted, and what the real backward did."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.predicted: dict[int, list[Report]] = {}
+        self.raised: dict[int, list[str]] = {}
+        self.backwards: dict[int, int] = {}
+        self.names: dict[int, str] = {}
+
+    def report(self, report: Report) -> None:
+        with self.lock:
+            self.predicted.setdefault(threading.get_ident(), []).append(report)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        me = threading.get_ident()
+        with self.lock:
+            self.backwards[me] = self.backwards.get(me, 0) + 1
+            self.names[me] = threading.current_thread().name
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            with self.lock:
+                self.raised.setdefault(me, []).append(str(e))
+
+    def mismatches(self) -> tuple[int, int]:
+        """(misses, false alarms), counted per backward call."""
+        misses = false = 0
+        for me in self.backwards:
+            p, r = len(self.predicted.get(me, [])), len(self.raised.get(me, []))
+            misses += max(r - p, 0)
+            false += max(p - r, 0)
+        return misses, false
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_shared_graph_race_is_predicted_exactly(strict: bool) -> None:
+    # PyTorch's TestMultithreadAutograd.test_python_thread_in_middle: five
+    # threads backward through one shared part; the first frees it.
+    misses = false = failed = 0
+    for _ in range(20):
+        seen = Outcomes()
+        start = threading.Barrier(5)
+        with versionwatch.watch_all(on_hazard=seen.report, strict=strict):
+            x = torch.ones(5, 5, requires_grad=True)
+            y = x + x ** 2
+
+            def worker(y: torch.Tensor = y, start: threading.Barrier = start,
+                       seen: Outcomes = seen) -> None:
+                z = y + y ** 2
+                start.wait()  # all five in backward at once: the race
+                seen.backward(z.sum())
+
+            run_threads([worker] * 5)
+        m, f = seen.mismatches()
+        misses, false = misses + m, false + f
+        failed += sum(len(v) for v in seen.raised.values())
+        assert all("second time" in msg for v in seen.raised.values() for msg in v)
+    assert (misses, false) == (0, 0)
+    assert failed >= 20  # at least one of five fails each round: the race was there
+
+
+def test_freed_report_names_the_other_threads_backward() -> None:
+    seen = Outcomes()
+    with versionwatch.watch_all(on_hazard=seen.report):
+        x = torch.ones(3, requires_grad=True)
+        y = x * x.exp()
+
+        def worker(y: torch.Tensor = y) -> None:
+            seen.backward((y + y.sin()).sum())
+
+        run_threads([worker], ["first"])
+        run_threads([worker], ["second"])
+    reports = [r for rs in seen.predicted.values() for r in rs]
+    assert len(reports) == 1
+    h = reports[0].hazards[0]
+    assert h.kind == "freed"
+    assert any(n.startswith("freed by backward #1 on thread first at ") for n in h.notes), h.notes
+    assert "thread first" in str(reports[0])
+    assert "thread first" in reports[0].to_json()
+
+
+def test_disjoint_graphs_do_not_wait_for_each_other() -> None:
+    # Thread A's backward is held inside a hook until thread B's backward,
+    # over another graph, has finished: B must not wait for A.
+    b_done = threading.Event()
+    seen = Outcomes()
+    with versionwatch.watch_all(on_hazard=seen.report):
+        def a() -> None:
+            x = torch.ones(3, requires_grad=True)
+            y = x.exp()
+            y.register_hook(lambda g: b_done.wait(JOIN_S) and None)
+            seen.backward(y.sum())
+
+        def b() -> None:
+            x = torch.ones(3, requires_grad=True)
+            seen.backward(x.sin().sum())
+            b_done.set()
+
+        run_threads([a, b])
+    assert b_done.is_set()
+    assert seen.mismatches() == (0, 0) and not seen.raised
+
+
+def test_backward_inside_a_backward_never_waits() -> None:
+    # A hook runs a backward inside the outer one, over nodes the outer
+    # flight holds; another thread is alive so flights record their nodes.
+    idle = threading.Event()
+    keeper = threading.Thread(target=idle.wait, args=(JOIN_S,))
+    keeper.start()
+    try:
+        lin = nn.Linear(4, 4)
+        inner: list[torch.Tensor] = []
+        with versionwatch.watch(lin) as w:
+            def outer() -> None:
+                h = lin(torch.randn(2, 4))
+                out, total = h.tanh(), h.sum()
+                out.register_hook(lambda g: inner.append(
+                    torch.autograd.grad(total, lin.weight, retain_graph=True)[0]))
+                out.sum().backward()
+            run_threads([outer])
+        assert len(inner) == 1 and lin.weight.grad is not None and not w.reports
+    finally:
+        idle.set()
+        keeper.join()
+
+
+def small_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_eight_threads_each_training_its_own_model(strict: bool) -> None:
+    seen = Outcomes()
+    planted_on = 5
+    planted_at = 150
+    models = [small_model() for _ in range(8)]
+    with versionwatch.watch_all(on_hazard=seen.report, strict=strict) as w:
+        def train(k: int) -> None:
+            model = models[k]
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            for step in range(200):
+                opt.zero_grad()
+                loss = model(torch.randn(4, 4)).pow(2).mean()
+                if k == planted_on and step == planted_at:
+                    loss.backward(retain_graph=True)
+                    opt.step()  # the planted hazard: the graph saved the old weights
+                seen.backward(loss)
+                opt.step()
+
+        run_threads([lambda k=k: train(k) for k in range(8)], [f"trainer-{k}" for k in range(8)])
+    assert seen.mismatches() == (0, 0)
+    assert sum(seen.backwards.values()) == 8 * 200
+    ((thread, reports),) = seen.predicted.items()
+    assert seen.names[thread] == f"trainer-{planted_on}" and len(reports) == 1
+    h = reports[0].hazards[0]
+    assert h.kind == "inplace" and h.tensor is not None
+    stale = w.ledger.by_name[h.tensor].ref()
+    assert any(stale is p for p in models[planted_on].parameters())
+    # Blamed on its own thread's step, and every event names its thread.
+    (m,) = h.modified_by
+    assert re.fullmatch(rf"SGD(\[\d\])?\.step\(\) #{planted_at + 1} on thread trainer-{planted_on}",
+                        m.description), m.description
+    assert reports[0].thread == f"trainer-{planted_on}"
+    assert f"on thread trainer-{planted_on}" in str(reports[0])
+    assert f'"thread": "trainer-{planted_on}"' in reports[0].to_json()
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_hogwild_on_one_shared_model_stays_consistent(strict: bool) -> None:
+    # Threads step one model's parameters while others run backward through
+    # graphs that saved them. Whichever interleaving happens, no prediction is
+    # a false alarm (versions only grow), and every failure is explained.
+    model = small_model()
+    seen = Outcomes()
+    with versionwatch.watch_all(on_hazard=seen.report, strict=strict) as w:
+        def train() -> None:
+            opt = torch.optim.SGD(model.parameters(), lr=0.001)
+            for _ in range(50):
+                loss = model(torch.randn(4, 4)).pow(2).mean()
+                seen.backward(loss)
+                opt.step()
+
+        run_threads([train] * 4)
+    for me, reports in seen.predicted.items():
+        assert len(reports) <= len(seen.raised.get(me, []))  # no false alarm
+    for msgs in seen.raised.values():
+        assert all("modified by an inplace operation" in m for m in msgs), msgs
+    for p in model.parameters():
+        assert torch.isfinite(p).all()
+        # The ledger saw every version, in order, each move once.
+        tr = w.ledger.tracked[id(p)]
+        assert tr.last == p._version
+        moves = list(tr.history)
+        assert all(a.new == b.old for a, b in zip(moves, moves[1:]))
+        assert all(m.modification.kind == "optimizer.step" for m in moves), [
+            m.modification.description for m in moves if m.modification.kind != "optimizer.step"]
+
+
+def test_a_fused_step_on_another_thread_is_no_false_alarm() -> None:
+    # Sequence numbers count per thread: this thread has made many nodes, a
+    # fresh thread few, so a forward there made after the fused step has
+    # smaller numbers than the step's clock, and must not pass for stale.
+    model = small_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    x = torch.ones(1, requires_grad=True)
+    for _ in range(100):
+        x = x * 1.0
+    seen = Outcomes()
+    with versionwatch.watch(model, opt, on_hazard=seen.report):
+        model(torch.randn(2, 4)).pow(2).mean().backward()
+        opt.step()  # fused: updates the weights without a version bump
+
+        def fresh() -> None:
+            seen.backward(model(torch.randn(2, 4)).pow(2).mean())
+
+        run_threads([fresh])
+    assert seen.backwards and not seen.predicted and not seen.raised
+
+
+def test_closing_while_other_threads_run_autograd_is_clean() -> None:
+    started = threading.Barrier(3)
+    stop = threading.Event()
+    done: list[int] = []
+    w = versionwatch.watch_all()
+
+    def train() -> None:
+        model = small_model()
+        started.wait()
+        n = 0
+        while not stop.is_set() or n < 20:
+            model(torch.randn(2, 4)).sum().backward()
+            n += 1
+        done.append(n)
+
+    threads = [threading.Thread(target=train) for _ in range(2)]
+    for t in threads:
+        t.start()
+    started.wait()
+    w.close()  # while both threads are in their loops
+    stop.set()
+    for t in threads:
+        t.join(JOIN_S)
+        assert not t.is_alive()
+    assert len(done) == 2 and not w.reports
+    assert torch.autograd.backward.__module__ == "torch.autograd"
+    from versionwatch import _inflight
+    assert not _inflight._FLYING
