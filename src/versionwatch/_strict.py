@@ -343,7 +343,7 @@ def _check_detached(rec: SavedRecord) -> None:
             raws = getattr(node, attr)
             found = any(getattr(raw, "data", None) is rec
                         for raw in (raws if isinstance(raws, (list, tuple)) else (raws,)))
-        else:  # torch < 2.5 hides a raw saved tensor's data: read the slot as the predictor does
+        else:  # torch 2.4-2.6 hide a raw saved tensor's data: read the slot as the predictor does
             try:
                 _, records = peek(node, "_saved_" + attr[len("_raw_saved_"):])
             except (HookedSaved, RuntimeError, AttributeError):
