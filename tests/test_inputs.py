@@ -405,6 +405,28 @@ def test_watcher_predicts_edges_dicts_and_one_shot_iterators():
                 torch.autograd.grad(loss, inputs, retain_graph=True)
 
 
+def _iterator_call(api: str, m: nn.Module) -> tuple[Any, ...]:
+    """A call on one-shot iterators: its outcome, what is left of them, whether it ran."""
+    loss = m(torch.ones(1, 2)).sum()
+    outputs, params = iter([loss]), m.parameters()
+    if api == "backward":
+        outcome = _outcome(lambda: torch.autograd.backward(outputs, inputs=params))
+    else:
+        outcome = _outcome(lambda: torch.autograd.grad(outputs, params))
+    return outcome, len(list(outputs)), len(list(params)), m.weight.grad is not None
+
+
+@pytest.mark.parametrize("api", ["backward", "grad"])
+def test_watcher_reads_one_shot_iterators_only_where_pytorch_does(api: str) -> None:
+    """Older torch asks backward's inputs for len() first: that call fails, nothing read."""
+    plain = _iterator_call(api, nn.Linear(2, 1))
+    m = nn.Linear(2, 1)
+    with versionwatch.watch(m) as w:
+        watched = _iterator_call(api, m)
+    assert watched == plain
+    assert not w.reports
+
+
 def test_watcher_unused_inputs():
     """With a stale tensor the run fails on it first; without one, PyTorch's own error."""
     a = leaf(3)

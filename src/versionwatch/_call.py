@@ -415,16 +415,56 @@ def rejected(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return False
 
 
+class _Read(Exception):
+    """PyTorch's own function began to read a one-shot iterator."""
+
+
+class _Unread:
+    """A one-shot iterator's stand-in while PyTorch's function is tried: reading it stops."""
+
+    def __init__(self, original: Iterator[Any]) -> None:
+        self.original = original
+
+    def __iter__(self) -> _Unread:
+        return self
+
+    def __next__(self) -> Any:
+        raise _Read
+
+
+class _UnreadSized(_Unread):
+    def __len__(self) -> int:
+        return len(self.original)  # type: ignore[arg-type]
+
+
+def _stand_in(value: Any) -> Any:
+    if not isinstance(value, Iterator):
+        return value
+    return _UnreadSized(value) if hasattr(type(value), "__len__") else _Unread(value)
+
+
 def read_once(args: tuple[Any, ...], kwargs: dict[str, Any], first: str,
               inputs_at: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's arguments with one-shot iterators (``model.parameters()``) made tuples.
 
     PyTorch reads outputs and inputs once, with ``tuple()``; the prediction
-    reads them first, so it must leave PyTorch the same tensors to read.
+    reads them first, so it must leave PyTorch the same tensors to read. Where
+    PyTorch rejects the call before it reads them (older torch asks
+    ``backward``'s ``inputs`` for their ``len()``), they stay unread, for
+    PyTorch to reject as it would.
     """
-    args = tuple(tuple(a) if k in (0, inputs_at) and isinstance(a, Iterator) else a
+    at = (0, inputs_at)
+    names = (first, "inputs")
+    try:
+        _preamble("backward" if first == "tensors" else "grad", False)(
+            *(_stand_in(a) if k in at else a for k, a in enumerate(args)),
+            **{k: _stand_in(v) if k in names else v for k, v in kwargs.items()})
+    except (_Read, _Reached):
+        pass
+    except Exception:  # PyTorch fails before it reads them: so will the call
+        return args, kwargs
+    args = tuple(tuple(a) if k in at and isinstance(a, Iterator) else a
                  for k, a in enumerate(args))
-    kwargs = {k: tuple(v) if k in (first, "inputs") and isinstance(v, Iterator) else v
+    kwargs = {k: tuple(v) if k in names and isinstance(v, Iterator) else v
               for k, v in kwargs.items()}
     return args, kwargs
-
