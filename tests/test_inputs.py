@@ -339,6 +339,34 @@ def test_nested_tensor_hazard_is_explained_without_a_shape():
     assert "modified by an inplace operation" in str(info.value)
 
 
+def test_engine_probes_run_apart_from_the_callers_modes():
+    """The engine's words are learnt on a throwaway leaf that no user mode sees,
+    even when first needed under inference_mode and a TorchFunctionMode."""
+    from torch.overrides import TorchFunctionMode
+
+    from versionwatch import _call
+
+    seen: list[str] = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    a, b = leaf(3), leaf(3)
+    loss = (a * a).sum()
+    real = _outcome(lambda: torch.autograd.grad(loss, [a, b], retain_graph=True))
+    for probe in (_call._unused, _call._edge_of_junk, _call._empty_inputs):
+        probe.cache_clear()
+    with torch.inference_mode(), Record():
+        ours = _outcome(lambda: versionwatch.assert_backward_safe(loss, inputs=[a, b], api="grad"))
+        junk = _outcome(lambda: versionwatch.assert_backward_safe(
+            loss, inputs=[GradientEdge(3, 0)], api="grad"))  # type: ignore[arg-type]
+    assert ours == real and real[0] is RuntimeError
+    assert junk == _outcome(lambda: torch.autograd.grad(loss, [GradientEdge(3, 0)]))  # type: ignore[arg-type]
+    assert not {"zeros", "ones", "_set_grad_enabled"} & set(seen)
+
+
 # -- the watcher: PyTorch's own argument errors, predictions for every input form ---
 
 WATCHED_ARGUMENT_ERRORS: dict[str, Callable[[torch.Tensor], Any]] = {

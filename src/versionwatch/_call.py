@@ -143,8 +143,8 @@ def _provoke(inputs: Callable[[torch.Tensor], tuple[Any, ...]]) -> Exception | N
     none that is not the probe's own.
     """
     engine: Any = torch.autograd.Variable._execution_engine
-    with torch.inference_mode(False), torch.enable_grad(), \
-            torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch(), \
+            torch.inference_mode(False), torch.enable_grad():
         x = torch.zeros((), requires_grad=True)
         try:
             engine.run_backward((x,), (torch.ones(()),), False, False, inputs(x), False, False)
