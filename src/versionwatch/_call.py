@@ -23,7 +23,7 @@ import operator
 import types
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Union
+from typing import Any, Callable, Literal, NoReturn, Union
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -82,7 +82,7 @@ class _Reached(Exception):
         self.call = (args, kwargs)
 
 
-def _stop(*args: Any, **kwargs: Any) -> None:
+def _stop(*args: Any, **kwargs: Any) -> NoReturn:
     raise _Reached(args, kwargs)
 
 
@@ -160,13 +160,16 @@ def _empty_inputs() -> Exception | None:
 
 
 @functools.cache
-def _edge_of_junk() -> tuple[type[Exception], str] | None:
-    """The error type and the words before the type name, for an edge of a non-Node."""
+def _edge_of_junk() -> tuple[type[Exception], list[str]] | None:
+    """The error for an edge of a non-Node, split where the object's type name goes.
+
+    Where the message does not end with the probe's type name, it is one part.
+    """
     err = _provoke(lambda x: (GradientEdge(0, 0),))  # type: ignore[arg-type]
     if err is None:
         return None
     text = str(err)
-    return type(err), text[: -len("int")] if text.endswith("int") else text + " "
+    return type(err), [text[: -len("int")], ""] if text.endswith("int") else [text]
 
 
 @functools.cache
@@ -183,7 +186,8 @@ def _unused() -> tuple[type[Exception], list[str]] | None:
     return type(err), [before + " ", " " + after] if sep else [str(err)]
 
 
-def _raise(kind: type[Exception], text: str) -> BadCall:
+def _bad(kind: type[Exception], text: str) -> BadCall:
+    """A probed error, made anew for this call (its traceback is this call's)."""
     try:
         return BadCall(kind(text))
     except Exception:  # a type that takes more than a message
@@ -247,7 +251,7 @@ def _check_edges(accumulate: bool, outs: tuple[Edge, ...], ins: tuple[Any, ...])
             if not isinstance(x.node, Node):
                 junk = _edge_of_junk()
                 if junk is not None:
-                    raise _raise(junk[0], junk[1] + _typename(x.node))
+                    raise _bad(junk[0], _typename(x.node).join(junk[1]))
         else:
             raise BadCall(RuntimeError(
                 f"all inputs have to be Tensors or GradientEdges, but got {_typename(x)}"
@@ -332,7 +336,7 @@ def _run(api: Api, grads: bool, args: tuple[Any, ...], kwargs: dict[str, Any],
     if not accumulate and not ins:
         err = _empty_inputs()
         if err is not None:
-            raise _raise(type(err), str(err))
+            raise _bad(type(err), str(err))
     return Call(api, outs, ins if ins or not accumulate else None,
                 allow_unused=bool(a["allow_unreachable"]))
 
@@ -397,7 +401,7 @@ def after_run(call: Call, unreached: list[int]) -> None:
     if not call.allow_unused:
         unused = _unused()
         if unused is not None:
-            raise _raise(unused[0], str(unreached[0]).join(unused[1]))
+            raise _bad(unused[0], str(unreached[0]).join(unused[1]))
     if call.materialize_grads and any(isinstance(call.inputs[i], GradientEdge) for i in unreached):
         raise BadCall(RuntimeError(
             "materialize_grads cannot be used when the given input is a GradientEdge"
