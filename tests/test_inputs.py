@@ -290,8 +290,12 @@ def test_check_raises_the_argument_error_and_changes_nothing():
 def test_unused_input_is_an_error_only_without_allow_unused():
     a, b = leaf(3), leaf(3)
     loss = (a * a).sum()
-    with pytest.raises(RuntimeError, match="^The differentiated Tensor at index 0 appears to not have been used in the graph"):
+    with pytest.raises(RuntimeError) as ours:
         versionwatch.assert_backward_safe(loss, inputs=[b], api="grad")
+    with pytest.raises(RuntimeError) as real:
+        torch.autograd.grad(loss, [b], retain_graph=True)
+    assert (type(ours.value), str(ours.value)) == (type(real.value), str(real.value))
+    assert "appears to not have been used in the graph" in str(real.value)
     versionwatch.assert_backward_safe(loss, inputs=[b], api="grad", allow_unused=True)
     versionwatch.assert_backward_safe(loss, inputs=[b])  # backward(inputs=) allows it
     report = versionwatch.check(loss, inputs=[a, b], api="grad", allow_unused=True)
@@ -335,6 +339,34 @@ def test_nested_tensor_hazard_is_explained_without_a_shape():
     assert "modified by an inplace operation" in str(info.value)
 
 
+def test_engine_probes_run_apart_from_the_callers_modes():
+    """The engine's words are learnt on a throwaway leaf that no user mode sees,
+    even when first needed under inference_mode and a TorchFunctionMode."""
+    from torch.overrides import TorchFunctionMode
+
+    from versionwatch import _call
+
+    seen: list[str] = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    a, b = leaf(3), leaf(3)
+    loss = (a * a).sum()
+    real = _outcome(lambda: torch.autograd.grad(loss, [a, b], retain_graph=True))
+    for probe in (_call._unused, _call._edge_of_junk, _call._empty_inputs):
+        probe.cache_clear()
+    with torch.inference_mode(), Record():
+        ours = _outcome(lambda: versionwatch.assert_backward_safe(loss, inputs=[a, b], api="grad"))
+        junk = _outcome(lambda: versionwatch.assert_backward_safe(
+            loss, inputs=[GradientEdge(3, 0)], api="grad"))  # type: ignore[arg-type]
+    assert ours == real and real[0] is RuntimeError
+    assert junk == _outcome(lambda: torch.autograd.grad(loss, [GradientEdge(3, 0)]))  # type: ignore[arg-type]
+    assert not {"zeros", "ones", "_set_grad_enabled"} & set(seen)
+
+
 # -- the watcher: PyTorch's own argument errors, predictions for every input form ---
 
 WATCHED_ARGUMENT_ERRORS: dict[str, Callable[[torch.Tensor], Any]] = {
@@ -363,7 +395,8 @@ def test_watcher_leaves_argument_errors_to_pytorch(case: str) -> None:
         with versionwatch.watch_all() as w:
             y = _stale_sigmoid()[1]
             watched = _outcome(lambda: call(y))
-    assert real[0] in (RuntimeError, TypeError, ValueError, AttributeError)
+    # AssertionError: torch that reads an edge as a tuple asserts its items are tensors
+    assert real[0] in (RuntimeError, TypeError, ValueError, AttributeError, AssertionError)
     assert watched == real
     assert not w.reports
     assert versionwatch.check(y, grad_outputs=torch.ones(3)).hazards  # the hazard was real
@@ -372,34 +405,69 @@ def test_watcher_leaves_argument_errors_to_pytorch(case: str) -> None:
 def test_watcher_predicts_edges_dicts_and_one_shot_iterators():
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     x = torch.ones(2, 3)
+    # Older torch reads a dict of inputs as its keys, and rejects them.
+    unwatched = _outcome(lambda: torch.autograd.grad(model(x).sum(), dict(model.named_parameters())))
+    takes_dicts = unwatched == ("ok",)
     with versionwatch.watch(model):
         loss = model(x).pow(2).sum()
         plain = torch.autograd.grad(loss, model.parameters(), retain_graph=True)
         edges = torch.autograd.grad(loss, [get_gradient_edge(p) for p in model.parameters()],
                                     retain_graph=True)
-        named = torch.autograd.grad(loss, dict(model.named_parameters()), retain_graph=True)
-        assert isinstance(named, dict) and list(named) == ["0.weight", "0.bias", "2.weight", "2.bias"]
-        for g, e, n in zip(plain, edges, named.values()):
-            assert torch.equal(g, e) and torch.equal(g, n)
+        for g, e in zip(plain, edges):
+            assert torch.equal(g, e)
+        if takes_dicts:
+            named = torch.autograd.grad(loss, dict(model.named_parameters()), retain_graph=True)
+            assert isinstance(named, dict) and list(named) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+            for g, n in zip(plain, named.values()):
+                assert torch.equal(g, n)
         with torch.no_grad():
             model[2].weight.add_(1)  # what a step does; the gradients of layer 0 need it
         for inputs in (model.parameters(), dict(model.named_parameters()),
                        get_gradient_edge(model[0].weight)):
+            if isinstance(inputs, dict) and not takes_dicts:
+                # PyTorch rejects the call before it reads a saved tensor: its own error.
+                assert _outcome(lambda: torch.autograd.grad(loss, inputs, retain_graph=True)) \
+                    == unwatched  # noqa: B023
+                continue
             with pytest.raises(versionwatch.InplaceModificationError, match=r"model\.2\.weight"):
                 torch.autograd.grad(loss, inputs, retain_graph=True)
 
 
+def _iterator_call(api: str, m: nn.Module) -> tuple[Any, ...]:
+    """A call on one-shot iterators: its outcome, what is left of them, whether it ran."""
+    loss = m(torch.ones(1, 2)).sum()
+    outputs, params = iter([loss]), m.parameters()
+    if api == "backward":
+        outcome = _outcome(lambda: torch.autograd.backward(outputs, inputs=params))
+    else:
+        outcome = _outcome(lambda: torch.autograd.grad(outputs, params))
+    return outcome, len(list(outputs)), len(list(params)), m.weight.grad is not None
+
+
+@pytest.mark.parametrize("api", ["backward", "grad"])
+def test_watcher_reads_one_shot_iterators_only_where_pytorch_does(api: str) -> None:
+    """Older torch asks backward's inputs for len() first: that call fails, nothing read."""
+    plain = _iterator_call(api, nn.Linear(2, 1))
+    m = nn.Linear(2, 1)
+    with versionwatch.watch(m) as w:
+        watched = _iterator_call(api, m)
+    assert watched == plain
+    assert not w.reports
+
+
 def test_watcher_unused_inputs():
     """With a stale tensor the run fails on it first; without one, PyTorch's own error."""
+    a = leaf(3)
+    plain = _outcome(lambda: torch.autograd.grad((a * a).sum(), [a, leaf(3)]))
     with versionwatch.watch_all():
         a, y = _stale_sigmoid()
         with pytest.raises(versionwatch.InplaceModificationError):
             torch.autograd.grad(y.sum(), [a, leaf(3)])
         a = leaf(3)
         with pytest.raises(RuntimeError) as info:
-            torch.autograd.grad((a * a).sum(), [leaf(3)])
-    assert type(info.value) is RuntimeError
-    assert str(info.value).startswith("The differentiated Tensor at index 0 appears")
+            torch.autograd.grad((a * a).sum(), [a, leaf(3)])
+    assert (type(info.value), str(info.value)) == plain
+    assert "appears to not have been used in the graph" in plain[1]
 
 
 def test_watcher_sparse_and_mkldnn_inputs_give_pytorchs_gradients():

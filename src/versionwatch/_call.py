@@ -6,17 +6,24 @@ an input that does not require grad, an empty ``inputs``), and ``grad`` rejects
 one more after the run: an input that no gradient reached, unless
 ``allow_unused``. A prediction that called such a call safe would be wrong, so
 :func:`bind` raises what PyTorch raises, in PyTorch's order, with PyTorch's own
-sentences (``torch/autograd/__init__.py`` and
-``torch/csrc/autograd/python_engine.cpp``); the gradients are checked by
-PyTorch's own helper, called as the call calls it.
+sentences.
+
+These checks changed across torch releases, so none is rewritten here: the
+Python half of each call is PyTorch's own function, run on a copy whose call
+into the C++ engine stops and hands over what the engine would get
+(:func:`_preamble`); the engine's checks of those are mirrored, in the
+running torch's words, learnt once from the real engine on a throwaway leaf
+(the probe section below).
 """
 
 from __future__ import annotations
 
+import functools
 import operator
+import types
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, NoReturn, Union
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -24,10 +31,9 @@ from torch.autograd.graph import GradientEdge, Node
 Api = Literal["backward", "grad"]
 Edge = Union[torch.Tensor, GradientEdge]
 
-_FUNCTORCH = (
-    "backward() called inside a functorch transform. This is not supported, please use "
-    "functorch.grad or functorch.vjp instead or call backward() outside of functorch transforms."
-)
+# The public functions as torch defines them, taken before a watcher replaces them.
+_ORIGINAL: dict[str, Callable[..., Any]] = {
+    "backward": torch.autograd.backward, "grad": torch.autograd.grad}
 
 
 class BadCall(Exception):
@@ -66,6 +72,130 @@ def _typename(x: object) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+# -- probes: the running torch's own Python half and its engine's words --------------
+
+class _Reached(Exception):
+    """The copy of PyTorch's function got to the engine with these arguments."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.call = (args, kwargs)
+
+
+def _stop(*args: Any, **kwargs: Any) -> NoReturn:
+    raise _Reached(args, kwargs)
+
+
+def _no_torch_function(*_: Any) -> bool:
+    # A subclass's __torch_function__ is user code: a prediction must not run it.
+    return False
+
+
+class _Quiet:
+    """``warnings`` for the copy: the real call warns (deprecated arguments) once, itself."""
+
+    @staticmethod
+    def warn(*_: Any, **__: Any) -> None:
+        return None
+
+
+class _NoVmap:
+    """``_vmap_internals`` for the copy: the batched gradients reach the engine unsplit."""
+
+    @staticmethod
+    def _vmap(fn: Callable[..., Any], *_: Any, **__: Any) -> Callable[..., Any]:
+        return fn
+
+
+def _pass_grads(outputs: Any, grads: Any, **_: Any) -> Any:
+    return grads
+
+
+def _no_grads(_: Any, length: int) -> tuple[None, ...]:
+    return (None,) * length
+
+
+@functools.cache
+def _preamble(api: Api, grads: bool) -> Callable[..., Any]:
+    """``torch.autograd.<api>`` itself, up to the engine: it raises :class:`_Reached` there.
+
+    The copy shares the original's code and all of its module but the names
+    that would reach past the arguments (the engine, ``__torch_function__``,
+    vmap, warnings). Without ``grads``, the gradients are not read either:
+    what is left is how the call reads its outputs and inputs.
+    """
+    fn: Any = _ORIGINAL[api]
+    env = dict(fn.__globals__)
+    env.update(_engine_run_backward=_stop, has_torch_function=_no_torch_function,
+               warnings=_Quiet, _vmap_internals=_NoVmap)
+    if not grads:
+        env.update(_tensor_or_tensors_to_tuple=_no_grads, _make_grads=_pass_grads)
+    copy = types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+def _provoke(inputs: Callable[[torch.Tensor], tuple[Any, ...]]) -> Exception | None:
+    """What the engine raises for ``grad(x, inputs(x))``, ``x`` a fresh scalar leaf.
+
+    Called straight, past every patch and mode of ours or the user's; the
+    inputs are chosen so that the engine stops before any node, or runs
+    none that is not the probe's own.
+    """
+    engine: Any = torch.autograd.Variable._execution_engine
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch(), \
+            torch.inference_mode(False), torch.enable_grad():
+        x = torch.zeros((), requires_grad=True)
+        try:
+            engine.run_backward((x,), (torch.ones(()),), False, False, inputs(x), False, False)
+        except Exception as e:  # any answer is the engine's answer
+            return e
+    return None
+
+
+@functools.cache
+def _empty_inputs() -> Exception | None:
+    """The engine's own error for ``grad`` with no inputs (older torch leaves it to the engine)."""
+    return _provoke(lambda x: ())
+
+
+@functools.cache
+def _edge_of_junk() -> tuple[type[Exception], list[str]] | None:
+    """The error for an edge of a non-Node, split where the object's type name goes.
+
+    Where the message does not end with the probe's type name, it is one part.
+    """
+    err = _provoke(lambda x: (GradientEdge(0, 0),))  # type: ignore[arg-type]
+    if err is None:
+        return None
+    text = str(err)
+    return type(err), [text[: -len("int")], ""] if text.endswith("int") else [text]
+
+
+@functools.cache
+def _unused() -> tuple[type[Exception], list[str]] | None:
+    """The error for an input no gradient reached, split where its index goes.
+
+    The probe's unused input is at index 1, its used one (the root) at 0;
+    where the message names no index, it is one part.
+    """
+    err = _provoke(lambda x: (x, torch.zeros((), requires_grad=True)))
+    if err is None:
+        return None
+    before, sep, after = str(err).partition(" 1 ")
+    return type(err), [before + " ", " " + after] if sep else [str(err)]
+
+
+def _bad(kind: type[Exception], text: str) -> BadCall:
+    """A probed error, made anew for this call (its traceback is this call's)."""
+    try:
+        return BadCall(kind(text))
+    except Exception:  # a type that takes more than a message
+        return BadCall(RuntimeError(text))
+
+
+# -- the checks ---------------------------------------------------------------------
+
 def _outputs(value: Any) -> tuple[Edge, ...]:
     """The outputs as a tuple; anything else is our TypeError.
 
@@ -90,34 +220,6 @@ def _outputs(value: Any) -> tuple[Edge, ...]:
     return outs
 
 
-def _inputs(api: Api, value: Any) -> tuple[Any, ...] | None:
-    """The inputs as PyTorch reads them: a tensor or edge, a dict's values, any iterable.
-
-    The watcher hands one-shot iterators over as tuples (:func:`read_once`).
-    """
-    if value is None:
-        if api == "grad":
-            raise TypeError('api="grad" needs inputs, as torch.autograd.grad(outputs, inputs) does')
-        return None
-    if isinstance(value, (torch.Tensor, GradientEdge)):
-        return (value,)
-    if type(value) is dict:
-        ins = tuple(value.values())
-    elif isinstance(value, Mapping):
-        raise BadCall(TypeError(
-            f"`inputs` argument to `{api}()` must be a dict, not {type(value).__name__}. "
-            "Other Mapping types are not supported."
-        ))
-    else:
-        try:
-            ins = tuple(value)
-        except TypeError as e:  # not iterable: PyTorch's tuple() says so
-            raise BadCall(e) from None
-    if not ins:
-        raise BadCall(RuntimeError(f"`inputs` argument to `{api}()` cannot be empty."))
-    return ins
-
-
 def _byte(value: Any) -> None:
     """The engine parses each flag as a C ``unsigned char`` (the ``"b"`` format)."""
     n = operator.index(value)
@@ -127,7 +229,7 @@ def _byte(value: Any) -> None:
         raise OverflowError("unsigned byte integer is greater than maximum")
 
 
-def _check_edges(api: Api, outs: tuple[Edge, ...], ins: tuple[Any, ...] | None) -> None:
+def _check_edges(accumulate: bool, outs: tuple[Edge, ...], ins: tuple[Any, ...]) -> None:
     """The engine's checks of the roots, then of the inputs (``run_backward``)."""
     for i, t in enumerate(outs):
         if isinstance(t, torch.Tensor) and t.grad_fn is None and not t.requires_grad:
@@ -137,20 +239,19 @@ def _check_edges(api: Api, outs: tuple[Edge, ...], ins: tuple[Any, ...] | None) 
                 f"versionwatch: outputs[{i}] was computed under torch.no_grad() or "
                 "inference_mode(), detached, or only from tensors that don't require grad.",
             ))
-    for x in ins or ():
+    for x in ins:
         if isinstance(x, torch.Tensor):
             if not x.requires_grad:
                 # backward() asks for the input's .grad first, which fails first.
                 raise BadCall(RuntimeError(
-                    "can't retain_grad on Tensor that has requires_grad=False" if api == "backward"
+                    "can't retain_grad on Tensor that has requires_grad=False" if accumulate
                     else "One of the differentiated Tensors does not require grad"
                 ))
         elif isinstance(x, GradientEdge):
             if not isinstance(x.node, Node):
-                raise BadCall(RuntimeError(
-                    "GradientEdge's first object must be an autograd.graph.Node but got "
-                    + _typename(x.node)
-                ))
+                junk = _edge_of_junk()
+                if junk is not None:
+                    raise _bad(junk[0], _typename(x.node).join(junk[1]))
         else:
             raise BadCall(RuntimeError(
                 f"all inputs have to be Tensors or GradientEdges, but got {_typename(x)}"
@@ -194,17 +295,65 @@ def _check_root_grads(outs: tuple[Edge, ...], grads: tuple[Any, ...]) -> None:
             ))
 
 
+def _engine(tensors: Any, grad_tensors: Any, keep_graph: Any, create_graph: Any,
+            inputs: Any = None, allow_unreachable: Any = False,
+            accumulate_grad: Any = False) -> dict[str, Any]:
+    """The engine's ``run_backward`` signature, to read what the copy handed it."""
+    return locals()
+
+
+def _run(api: Api, grads: bool, args: tuple[Any, ...], kwargs: dict[str, Any],
+         outputs: Any) -> Call:
+    """``torch.autograd.<api>(*args, **kwargs)`` up to the first node, every check made.
+
+    Raises:
+        TypeError: ``outputs`` is not tensors at all (our sentence).
+        BadCall: PyTorch rejects the call; ``.error`` is its exception.
+    """
+    try:
+        _preamble(api, grads)(*args, **kwargs)
+    except _Reached as reached:
+        a = _engine(*reached.call[0], **reached.call[1])
+    except Exception as e:  # whatever PyTorch's own code raised
+        if not isinstance(outputs, Iterator):  # a one-shot iterator is the call's to read
+            _outputs(outputs)
+        raise BadCall(e) from None
+    else:
+        raise TypeError(f"torch.autograd.{api} returned before its engine ran")
+    try:
+        for flag in ("keep_graph", "create_graph", "allow_unreachable", "accumulate_grad"):
+            _byte(a[flag])
+    except (TypeError, OverflowError) as e:
+        raise BadCall(e) from None
+    outs = _outputs(a["tensors"])
+    roots_grads = tuple(a["grad_tensors"])
+    if len(roots_grads) != len(outs):
+        raise BadCall(RuntimeError(f"got {len(outs)} tensors and {len(roots_grads)} gradients"))
+    accumulate = bool(a["accumulate_grad"])
+    ins = tuple(a["inputs"] or ())
+    _check_edges(accumulate, outs, ins)
+    _check_root_grads(outs, roots_grads)
+    if not accumulate and not ins:
+        err = _empty_inputs()
+        if err is not None:
+            raise _bad(type(err), str(err))
+    return Call(api, outs, ins if ins or not accumulate else None,
+                allow_unused=bool(a["allow_unreachable"]))
+
+
 def parse(api: Api, outputs: Any, inputs: Any) -> Call:
     """The outputs and inputs of a call, with the engine's checks of both.
 
     Raises:
-        TypeError: ``outputs`` or ``inputs`` is not tensors at all (our sentence).
+        TypeError: ``outputs`` is not tensors at all (our sentence), or
+            ``api="grad"`` has no ``inputs``.
         BadCall: PyTorch rejects them; ``.error`` is its exception.
     """
-    outs = _outputs(outputs)
-    ins = _inputs(api, inputs)
-    _check_edges(api, outs, ins)
-    return Call(api, outs, ins)
+    if api == "grad":
+        if inputs is None:
+            raise TypeError('api="grad" needs inputs, as torch.autograd.grad(outputs, inputs) does')
+        return _run(api, False, (outputs, inputs), {}, outputs)
+    return _run(api, False, (outputs,), {"inputs": inputs}, outputs)
 
 
 def bind(
@@ -221,44 +370,23 @@ def bind(
     """Every check PyTorch makes of a call's arguments before a node runs, in its order.
 
     Raises:
-        TypeError: ``outputs`` or ``inputs`` is not tensors at all (our sentence).
+        TypeError: ``outputs`` is not tensors at all (our sentence), or
+            ``api="grad"`` has no ``inputs``.
         BadCall: PyTorch rejects the call; ``.error`` is its exception.
     """
     if api == "grad":
-        if materialize_grads and allow_unused is False:
-            raise BadCall(ValueError(
-                "Expected allow_unused to be True or not passed when materialize_grads=True, "
-                "but got: allow_unused=False."
-            ))
-        if allow_unused is None:
-            allow_unused = materialize_grads
-        outs = _outputs(outputs)
-        ins = _inputs(api, inputs)
-    else:
-        active = getattr(torch._C, "_are_functorch_transforms_active", None)
-        if active is not None and active():
-            raise BadCall(RuntimeError(_FUNCTORCH))
-        ins = _inputs(api, inputs)
-        outs = _outputs(outputs)
-    try:
-        # PyTorch's own checks of the gradients: shapes, dtypes, scalar outputs.
-        grads = torch.autograd._tensor_or_tensors_to_tuple(grad_outputs, len(outs))
-        grads = torch.autograd._make_grads(
-            outs,  # type: ignore[arg-type]  # a mix of tensors and edges is PyTorch's too
-            grads, is_grads_batched=bool(is_grads_batched))
-        if retain_graph is None:
-            retain_graph = create_graph
-        _byte(retain_graph)
-        _byte(create_graph)
-        _byte(allow_unused if api == "grad" else True)
-    except (RuntimeError, TypeError, ValueError, OverflowError) as e:
-        raise BadCall(e) from None
-    if len(grads) != len(outs):
-        raise BadCall(RuntimeError(f"got {len(outs)} tensors and {len(grads)} gradients"))
-    _check_edges(api, outs, ins)
-    _check_root_grads(outs, grads)
-    return Call(api, outs, ins, allow_unused=bool(allow_unused),
-                materialize_grads=bool(materialize_grads))
+        if inputs is None:
+            raise TypeError('api="grad" needs inputs, as torch.autograd.grad(outputs, inputs) does')
+        call = _run(api, True, (outputs, inputs), {
+            "grad_outputs": grad_outputs, "retain_graph": retain_graph,
+            "create_graph": create_graph, "allow_unused": allow_unused,
+            "is_grads_batched": is_grads_batched, "materialize_grads": materialize_grads,
+        }, outputs)
+        call.materialize_grads = bool(materialize_grads)
+        return call
+    return _run(api, True, (outputs,), {
+        "grad_tensors": grad_outputs, "retain_graph": retain_graph,
+        "create_graph": create_graph, "inputs": inputs}, outputs)
 
 
 def after_run(call: Call, unreached: list[int]) -> None:
@@ -271,52 +399,52 @@ def after_run(call: Call, unreached: list[int]) -> None:
     if call.api != "grad" or not unreached or call.inputs is None:
         return
     if not call.allow_unused:
-        # torch 2.13's sentence; earlier releases say "One of the differentiated
-        # Tensors" instead of naming the index.
-        raise BadCall(RuntimeError(
-            f"The differentiated Tensor at index {unreached[0]} appears to not have been used "
-            "in the graph. Set allow_unused=True if this is the desired behavior."
-        ))
+        unused = _unused()
+        if unused is not None:
+            raise _bad(unused[0], str(unreached[0]).join(unused[1]))
     if call.materialize_grads and any(isinstance(call.inputs[i], GradientEdge) for i in unreached):
         raise BadCall(RuntimeError(
             "materialize_grads cannot be used when the given input is a GradientEdge"
         ))
 
 
-# The signatures of the two calls the watcher replaces, to read their arguments
-# by name exactly as Python binds them for PyTorch.
-def _backward_args(tensors: Any, grad_tensors: Any = None, retain_graph: Any = None,
-                   create_graph: Any = False, grad_variables: Any = None,
-                   inputs: Any = None) -> dict[str, Any]:
-    return locals()
-
-
-def _grad_args(outputs: Any, inputs: Any, grad_outputs: Any = None, retain_graph: Any = None,
-               create_graph: Any = False, only_inputs: Any = True, allow_unused: Any = None,
-               is_grads_batched: Any = False, materialize_grads: Any = False) -> dict[str, Any]:
-    return locals()
-
-
 def rejected(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether PyTorch rejects ``torch.autograd.<api>(*args, **kwargs)`` before a node runs."""
+    name = "tensors" if api == "backward" else "outputs"
     try:
-        if api == "backward":
-            a = _backward_args(*args, **kwargs)
-            grads = a["grad_tensors"]
-            if a["grad_variables"] is not None:
-                if grads is not None:
-                    return True
-                grads = a["grad_variables"]
-            bind("backward", a["tensors"], a["inputs"], grads, a["retain_graph"],
-                 a["create_graph"])
-        else:
-            a = _grad_args(*args, **kwargs)
-            bind("grad", a["outputs"], a["inputs"], a["grad_outputs"], a["retain_graph"],
-                 a["create_graph"], a["allow_unused"], a["materialize_grads"],
-                 a["is_grads_batched"])
+        _run("grad" if api == "grad" else "backward", True, args, kwargs,
+             args[0] if args else kwargs.get(name))
     except (BadCall, TypeError):
         return True
     return False
+
+
+class _Read(Exception):
+    """PyTorch's own function began to read a one-shot iterator."""
+
+
+class _Unread:
+    """A one-shot iterator's stand-in while PyTorch's function is tried: reading it stops."""
+
+    def __init__(self, original: Iterator[Any]) -> None:
+        self.original = original
+
+    def __iter__(self) -> _Unread:
+        return self
+
+    def __next__(self) -> Any:
+        raise _Read
+
+
+class _UnreadSized(_Unread):
+    def __len__(self) -> int:
+        return len(self.original)  # type: ignore[arg-type]
+
+
+def _stand_in(value: Any) -> Any:
+    if not isinstance(value, Iterator):
+        return value
+    return _UnreadSized(value) if hasattr(type(value), "__len__") else _Unread(value)
 
 
 def read_once(args: tuple[Any, ...], kwargs: dict[str, Any], first: str,
@@ -324,11 +452,23 @@ def read_once(args: tuple[Any, ...], kwargs: dict[str, Any], first: str,
     """The call's arguments with one-shot iterators (``model.parameters()``) made tuples.
 
     PyTorch reads outputs and inputs once, with ``tuple()``; the prediction
-    reads them first, so it must leave PyTorch the same tensors to read.
+    reads them first, so it must leave PyTorch the same tensors to read. Where
+    PyTorch rejects the call before it reads them (older torch asks
+    ``backward``'s ``inputs`` for their ``len()``), they stay unread, for
+    PyTorch to reject as it would.
     """
-    args = tuple(tuple(a) if k in (0, inputs_at) and isinstance(a, Iterator) else a
+    at = (0, inputs_at)
+    names = (first, "inputs")
+    try:
+        _preamble("backward" if first == "tensors" else "grad", False)(
+            *(_stand_in(a) if k in at else a for k, a in enumerate(args)),
+            **{k: _stand_in(v) if k in names else v for k, v in kwargs.items()})
+    except (_Read, _Reached):
+        pass
+    except Exception:  # PyTorch fails before it reads them: so will the call
+        return args, kwargs
+    args = tuple(tuple(a) if k in at and isinstance(a, Iterator) else a
                  for k, a in enumerate(args))
-    kwargs = {k: tuple(v) if k in (first, "inputs") and isinstance(v, Iterator) else v
+    kwargs = {k: tuple(v) if k in names and isinstance(v, Iterator) else v
               for k, v in kwargs.items()}
     return args, kwargs
-
