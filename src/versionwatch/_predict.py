@@ -86,6 +86,23 @@ def _plan(fn: Node) -> _Plan:
     return plan
 
 
+def _planned(nodes: Sequence[Node], executed: Sequence[bool] | None) -> Iterator[
+        tuple[int, Node, _Plan]]:
+    """The nodes that run (all, or those marked in ``executed``) and save something.
+
+    One dict lookup per node that saves nothing (AccumulateGrad, TBackward0, ...).
+    """
+    plans = _PLANS
+    for i, fn in enumerate(nodes):
+        if executed is not None and not executed[i]:
+            continue
+        plan = plans.get(type(fn))
+        if plan is None:
+            plan = _plan(fn)
+        if plan:
+            yield i, fn, plan
+
+
 def _hooked(raw: Any) -> bool:
     return getattr(raw, "unpack_hook", None) is not None
 
@@ -153,18 +170,10 @@ class _Checker:
         if not SAVED_INTROSPECTION:
             self._run_blind(nodes, executed)
             return
-        plans = _PLANS
         silent = self.silent
         checked = 0
         try:
-            for i, fn in enumerate(nodes):
-                if executed is not None and not executed[i]:
-                    continue
-                plan = plans.get(type(fn))
-                if plan is None:
-                    plan = _plan(fn)
-                if not plan:
-                    continue
+            for i, fn, plan in _planned(nodes, executed):
                 if plan is _CUSTOM:
                     self._custom(i, fn)
                     continue
@@ -204,14 +213,7 @@ class _Checker:
         ``save_on_cpu``'s) is not verifiable, as on new torch. Strict mode's
         own hook hands its records over instead.
         """
-        for i, fn in enumerate(nodes):
-            if executed is not None and not executed[i]:
-                continue
-            plan = _PLANS.get(type(fn))
-            if plan is None:
-                plan = _plan(fn)
-            if not plan:
-                continue
+        for i, fn, plan in _planned(nodes, executed):
             if plan is _COPY_SLICES:
                 self._copy_slices(i, fn)
                 continue
