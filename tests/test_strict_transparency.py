@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import re
 import subprocess
 import sys
 import textwrap
+import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -321,3 +325,64 @@ def test_close_from_another_thread_takes_patches_off_and_pops_on_return():
     with versionwatch.watch_all(strict=True):  # entering versionwatch again pops it
         pass
     assert _top_is("none")
+
+
+def test_register_hooks_with_bad_arguments_gives_pytorchs_error():
+    def error() -> str:
+        x = torch.ones(2, requires_grad=True)
+        y = x.exp()
+        with pytest.raises(TypeError) as info:
+            y.grad_fn._raw_saved_result.register_hooks(lambda t: t)
+        return str(info.value)
+
+    def bare(text: str) -> str:
+        return re.sub(r"0x[0-9a-f]+", "0x", text)
+
+    plain = error()
+    with versionwatch.watch_all(strict=True):
+        assert bare(error()) == bare(plain)
+
+
+def test_hooks_pushed_inside_backward_last_only_as_long_as_pytorch_keeps_them():
+    """test_autograd's extra-enter-during-backward: no assert, no leak, a clean stack."""
+    def scope() -> weakref.ref[Any]:
+        def unpack(x: torch.Tensor) -> torch.Tensor:
+            ctx_ref().__enter__()  # type: ignore[union-attr]
+            return x
+
+        ctx = torch.autograd.graph.saved_tensors_hooks(lambda x: x, unpack)
+        ctx_ref = weakref.ref(ctx)
+        x = torch.randn(3, 3, requires_grad=True)
+        with ctx:
+            x.sin().sum().backward()
+        return weakref.ref(unpack)
+
+    gc.disable()
+    try:
+        plain = scope()() is None  # whether this torch frees the hook (it should)
+        with versionwatch.watch_all(strict=True, on_hazard="log"):
+            ref = scope()
+        assert (ref() is None) == plain
+    finally:
+        gc.enable()
+    y = torch.ones(2, requires_grad=True).exp()
+    y.grad_fn._raw_saved_result.register_hooks(lambda t: t, lambda t: t)  # no hooks left
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_tensor_hazard_keeps_pytorchs_sentence_under_log():
+    def run() -> str:
+        a = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], requires_grad=True)
+        b = a * 2
+        c = b * a
+        with torch.no_grad():
+            b.mul_(2)
+        with pytest.raises(RuntimeError) as info:
+            c.backward(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]))
+        return str(info.value)
+
+    plain = run()
+    with versionwatch.watch_all(strict=True, on_hazard="log"):
+        watched = run()
+    assert "modified by an inplace operation: [torch.FloatTensor  2\n 3\n[ torch.LongTensor{2,1} ]]" in plain
+    assert plain.split("]]")[0] == watched.split("]]")[0]

@@ -154,7 +154,17 @@ def _remove_ours() -> None:
     del shadow[i]
 
 
+def _in_backward() -> bool:
+    # A node runs under a copy of the thread's state that the engine puts back
+    # after it: a push or pop there (a hook's) lasts no longer than the node,
+    # and is none of the shadow's business.
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 def _push(pack_hook: Any, unpack_hook: Any) -> None:
+    if _in_backward():
+        _real("_push_saved_tensors_default_hooks")(pack_hook, unpack_hook)
+        return
     settle()
     _real("_push_saved_tensors_default_hooks")(pack_hook, unpack_hook)
     shadow = _shadow()
@@ -163,6 +173,9 @@ def _push(pack_hook: Any, unpack_hook: Any) -> None:
 
 
 def _pop() -> None:
+    if _in_backward():
+        _real("_pop_saved_tensors_default_hooks")()
+        return
     settle()
     shadow = _shadow()
     real_pop = _real("_pop_saved_tensors_default_hooks")

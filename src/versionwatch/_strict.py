@@ -376,6 +376,18 @@ _PACK_MODIFIED = (
 )
 
 
+def _hook_pair(*args: Any, **kwargs: Any) -> tuple[Any, Any] | None:
+    """``(pack_hook, unpack_hook)`` if these are arguments ``register_hooks`` accepts."""
+    def bind(pack_hook: Any, unpack_hook: Any) -> tuple[Any, Any]:
+        return pack_hook, unpack_hook
+
+    try:
+        pair = bind(*args, **kwargs)
+    except TypeError:
+        return None
+    return pair if callable(pair[0]) and callable(pair[1]) else None
+
+
 def _wrap_register_hooks(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``SavedTensor.register_hooks``: on a slot strict packed, the user's hooks go inside.
 
@@ -385,9 +397,12 @@ def _wrap_register_hooks(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     @functools.wraps(fn)
-    def register_hooks(self: Any, pack_hook: Any, unpack_hook: Any) -> None:
-        if getattr(self, "unpack_hook", None) is not unpack:
-            return fn(self, pack_hook, unpack_hook)  # type: ignore[no-any-return]
+    def register_hooks(self: Any, *args: Any, **kwargs: Any) -> None:
+        hooks = _hook_pair(*args, **kwargs)
+        if hooks is None or getattr(self, "unpack_hook", None) is not unpack:
+            # Not ours, or arguments PyTorch rejects with its own TypeError.
+            return fn(self, *args, **kwargs)  # type: ignore[no-any-return]
+        pack_hook, unpack_hook = hooks
         rec = self.data
         mark = _mark(rec)
         if mark.user is not None:

@@ -114,9 +114,24 @@ def stale_message(t: torch.Tensor, now: int, saved: int, producer: str | None = 
     if producer is not None and tpl.clause is not None:
         name = producer if tpl.full_names else _BACKWARD_SUFFIX.sub("", producer)
         clause = f"{tpl.clause[0]}{output_nr} of {name}{tpl.clause[1]}"
-    shape = ", ".join(map(str, t.shape))
-    return (f"{tpl.head}[{t.type()} [{shape}]]{clause} is at version {now}; "
+    return (f"{tpl.head}[{t.type()} {_sizes(t)}]{clause} is at version {now}; "
             f"expected version {saved} instead.{tpl.hint}")
+
+
+def _sizes(t: torch.Tensor) -> str:
+    """``t``'s sizes as PyTorch's message prints them: ``[8, 1]``.
+
+    A nested tensor has no single shape: PyTorch prints its size tensor the way
+    C++ prints a tensor (`` 2\n 3\n[ torch.LongTensor{2,1} ]``), mirrored here.
+    """
+    if not getattr(t, "is_nested", False):
+        return "[" + ", ".join(map(str, t.shape)) + "]"
+    sizes = t._nested_tensor_size()
+    rows = sizes.tolist()
+    width = max((len(str(v)) for row in rows for v in row), default=1)
+    body = "".join(" " + "  ".join(str(v).rjust(width) for v in row) + "\n" for row in rows)
+    dims = ",".join(map(str, sizes.shape))
+    return f"{body}[ torch.LongTensor{{{dims}}} ]"
 
 
 def output_slot(node: object, packed: object) -> int | None:
