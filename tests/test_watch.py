@@ -760,3 +760,26 @@ def test_between_events_json_names_both_bounding_events():
     assert m["after"]["event"] == "end of backward #1" and m["before"]["event"] == "backward #2"
     assert m["before"]["line"] == m["after"]["line"] + 4
     assert m["after"]["file"].endswith("test_watch.py")
+
+
+def test_an_observer_of_predict_sees_every_prediction(monkeypatch):
+    """The peer harness wraps the watcher's predict with its five arguments."""
+    from versionwatch import _watch
+
+    real, seen = _watch.predict, []
+
+    def observer(outputs, inputs, api, name_map, silent=None):
+        report = real(outputs, inputs, api, name_map, silent)
+        seen.append(report.ok)
+        return report
+
+    monkeypatch.setattr(_watch, "predict", observer)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with versionwatch.watch(model, opt):
+        loss = model(torch.randn(8, 4)).sum()
+        loss.backward(retain_graph=True)
+        opt.step()
+        with pytest.raises(InplaceModificationError):
+            loss.backward()
+    assert seen == [True, False]

@@ -873,19 +873,37 @@ def predict(
     api: Api,
     name_map: dict[int, str],
     silent: dict[int, int] | None = None,
-    gate: Callable[[Sequence[Node]], None] | None = None,
 ) -> Report:
     """:func:`check` for a watcher: names resolved, silent writes known.
 
     Only the outputs and inputs are judged here; a watcher leaves the rest of
-    the call's arguments to PyTorch. ``gate`` gets the walked nodes before any
-    saved tensor is read (it may wait for other threads' backwards).
+    the call's arguments to PyTorch. The gate set by :func:`gated` on this
+    thread gets the walked nodes before any saved tensor is read (it may wait
+    for other threads' backwards). The signature stays the five arguments that
+    observers of the watcher (the peer harness) wrap.
 
     Raises:
         TypeError: ``outputs`` or ``inputs`` is not tensors at all.
         BadCall: PyTorch rejects the outputs or inputs.
     """
-    return _predict(parse(api, outputs, inputs), name_map, silent, gate)[0]
+    return _predict(parse(api, outputs, inputs), name_map, silent, _GATE.fn)[0]
+
+
+class _Gate(threading.local):
+    fn: Callable[[Sequence[Node]], None] | None = None
+
+
+_GATE = _Gate()
+
+
+@contextlib.contextmanager
+def gated(fn: Callable[[Sequence[Node]], None]) -> Iterator[None]:
+    """While active on this thread, :func:`predict` calls ``fn`` with the walked nodes."""
+    previous, _GATE.fn = _GATE.fn, fn
+    try:
+        yield
+    finally:
+        _GATE.fn = previous
 
 
 def _predict(

@@ -35,7 +35,7 @@ from versionwatch._explain import fix_for, render_report
 from versionwatch._functorch import in_functorch_transform
 from versionwatch._ledger import Ledger, Tracked
 from versionwatch._naming import module_tensors
-from versionwatch._predict import _VERSION_RE, predict, raise_for
+from versionwatch._predict import _VERSION_RE, gated, predict, raise_for
 from versionwatch._report import Hazard, Modification, Report, Site
 from versionwatch._sites import user_frame, user_site
 from versionwatch._timeline import Timeline
@@ -568,9 +568,9 @@ class Watcher:
         flight = _inflight.Flight(self, f"backward #{n}", site, _inflight.frees(api, arguments))
         try:
             try:
-                report: Report | None = predict(outputs, inputs, api, names,  # type: ignore[arg-type]
-                                                silent or None,
-                                                lambda nodes: _inflight.depart(flight, nodes))
+                with gated(lambda nodes: _inflight.depart(flight, nodes)):
+                    report: Report | None = predict(outputs, inputs, api,  # type: ignore[arg-type]
+                                                    names, silent or None)
             except (TypeError, ValueError, BadCall):
                 report = None  # PyTorch will say what is wrong with the arguments
             if report is not None and not report.ok and arguments is not None \
