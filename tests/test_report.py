@@ -118,7 +118,29 @@ def _freed() -> torch.Tensor:
     return loss
 
 
+_HELD: list[torch.Tensor] = []
+
+
+def _input_modified() -> torch.Tensor:
+    x = torch.ones(3, requires_grad=True)
+    b = x.exp()
+    loss = (b * x).sum()  # MulBackward0 saves b, an input: named by the grad_fn it has then
+    b.add_(1)
+    _HELD[:] = [b]  # the program still holds it (strict mode holds a saved input weakly)
+    return loss
+
+
+def _view_of_activation_modified() -> torch.Tensor:
+    x = torch.ones(2, 3, requires_grad=True)
+    h = x.exp()
+    v = h[:, :2]
+    loss = (v * v).sum()  # saves the view; writing h rebuilds its grad_fn
+    h.mul_(2)
+    return loss
+
+
 CASES = {"output_modified": _output_modified, "parameter_stepped": _parameter_stepped,
+         "input_modified": _input_modified, "view_modified": _view_of_activation_modified,
          "freed": _freed}
 
 
@@ -153,7 +175,8 @@ def test_raised_error_carries_pytorchs_sentence(case: str, strict: bool, anomaly
 @pytest.mark.filterwarnings("ignore:Error detected in:UserWarning",
                             "ignore:Anomaly Detection has been enabled:UserWarning")
 @pytest.mark.parametrize("anomaly", [False, True], ids=["plain", "anomaly"])
-@pytest.mark.parametrize("case", ["output_modified", "parameter_stepped"])
+@pytest.mark.parametrize("case", ["output_modified", "parameter_stepped", "input_modified",
+                                  "view_modified"])
 def test_strict_unpack_raises_pytorchs_exact_error(case: str, anomaly: bool):
     """Behind strict mode's hooks PyTorch checks nothing: ours must say what it would."""
     with torch.autograd.set_detect_anomaly(anomaly):

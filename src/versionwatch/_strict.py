@@ -75,8 +75,8 @@ class SavedRecord:
     what is cheap; ``writes`` stays an empty tuple until a write hits it.
     """
 
-    __slots__ = ("__weakref__", "_silent", "before", "forward", "ids", "module", "requires_grad",
-                 "tensor", "version", "writes")
+    __slots__ = ("__weakref__", "_silent", "before", "forward", "ids", "module", "original",
+                 "requires_grad", "tensor", "version", "writes")
 
     def __init__(self, t: torch.Tensor, module: str | None, forward: str | None) -> None:
         # A leaf is kept as is, so that `p.data = t` reaches backward as it does
@@ -85,9 +85,13 @@ class SavedRecord:
         base = t._base
         if t.is_leaf:
             self.tensor = t
+            self.original: weakref.ref[torch.Tensor] | None = None
             self.requires_grad = t.requires_grad
         else:
             self.tensor = t.detach()
+            # Weakly, for PyTorch's error: it names the grad_fn this tensor has
+            # *then* (", which is output 0 of Add,"), and unwatched it is alive.
+            self.original = weakref.ref(t)
             # A view of a parameter (``weight.t()``); never read grad_fn here:
             # touching nodes from Python makes deep graphs crash when freed.
             self.requires_grad = base is not None and base.is_leaf and t.requires_grad

@@ -171,8 +171,9 @@ def strict_message(rec: Any, node: Any, slot: str | None = None) -> str:
 
     PyTorch names a producer for a saved output (its own node) and for a view
     of a leaf that requires grad (the ``AsStrided`` node that a stale view's
-    grad_fn is rebuilt as); a leaf has none, and for any other tensor the one
-    it would name (the tensor's grad_fn now) is not kept by strict mode.
+    grad_fn is rebuilt as), and for a saved input the grad_fn that input has
+    now; a leaf has none. Strict mode holds that input weakly: once the
+    program has dropped it (a temporary that is not a view), its name is gone too.
 
     Args:
         rec: the :class:`~versionwatch._strict.SavedRecord`.
@@ -185,6 +186,16 @@ def strict_message(rec: Any, node: Any, slot: str | None = None) -> str:
         found = _result_nr(slot) if slot is not None else output_slot(node, rec)
         if found is not None:
             producer, nr = node.name(), found
-    if producer is None and rec.ids[1] is not None and rec.requires_grad:
-        producer = "AsStridedBackward0"
+    if producer is None:
+        # Unwatched, PyTorch keeps a saved input itself and names the grad_fn it
+        # has when backward reads it (after `b.add_(1)`, AddBackward0).
+        ref = getattr(rec, "original", None)
+        original = ref() if ref is not None else None
+        if original is not None:
+            fn = original.grad_fn
+            if fn is not None:
+                producer, nr = fn.name(), original.output_nr
+        elif rec.ids[1] is not None and (ref is not None or rec.requires_grad):
+            # A stale view's grad_fn is rebuilt from its base as AsStrided.
+            producer = "AsStridedBackward0"
     return stale_message(t, t._version, rec.version, producer, nr)
