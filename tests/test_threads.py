@@ -214,6 +214,17 @@ def test_eight_threads_each_training_its_own_model(strict: bool) -> None:
                         m.description), m.description
     assert reports[0].thread == f"trainer-{planted_on}"
     assert f"on thread trainer-{planted_on}" in str(reports[0])
+    # Strict mode's hooks are the opening thread's: the report says what that leaves out.
+    per_thread = [n for n in h.notes if "saved-tensor hooks are per thread" in n]
+    if strict:
+        assert per_thread == [
+            f"strict mode records saved tensors on thread {threading.current_thread().name} "
+            f"only (saved-tensor hooks are per thread); this backward runs on thread "
+            f"trainer-{planted_on}, and a forward there is checked as in the default mode, "
+            "without write lines"]
+        assert per_thread[0] in str(reports[0])
+    else:
+        assert per_thread == []
     assert f'"thread": "trainer-{planted_on}"' in reports[0].to_json()
 
 

@@ -311,6 +311,8 @@ class Watcher:
         self._backwards = 0
         self._closed = False
         self._thread_stack = _stack()
+        # Saved-tensor hooks are per thread: strict mode records on this one only.
+        self._strict_thread = threading.current_thread().name if self.strict else None
         with _LOCK:
             seen: dict[int, str] = {}
             for name, module in modules.items():
@@ -642,14 +644,22 @@ class Watcher:
         def tracker(key: int | None) -> Watcher:
             return next((w for w in scope if key is not None and key in w.ledger.tracked), self)
 
+        here = threading.current_thread().name
+        elsewhere = next((w._strict_thread for w in scope
+                          if w._strict_thread not in (None, here)), None)
         for h in report.hazards:
             if h.key is None and not SAVED_INTROSPECTION:
                 _match_ledger(h, scope)
+            exact = list(h.modified_by)  # strict mode's records name the writes
             if h.key is not None:
-                exact = list(h.modified_by)  # strict mode's records name the writes
                 tracker(h.key).ledger.blame(h, h.key)
                 if exact:
                     h.modified_by = exact
+            if elsewhere is not None and not exact and h.kind == "inplace":
+                h.notes.append(
+                    f"strict mode records saved tensors on thread {elsewhere} only (saved-tensor "
+                    f"hooks are per thread); this backward runs on thread {here}, and a forward "
+                    "there is checked as in the default mode, without write lines")
             h.fix = fix_for(h)
         owner = tracker(report.hazards[0].key if report.hazards else None)
         report.timeline = owner.timeline(report=report)
