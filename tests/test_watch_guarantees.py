@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import subprocess
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -558,3 +560,52 @@ def test_watch_all_adopts_no_module_inside_torch_func():
         tracked = [tr.ref() for tr in w.ledger.tracked.values()]
     assert len(tracked) == 4
     assert all(any(t is p for p in model.parameters()) for t in tracked)
+
+
+_WRAPPED_FIRST = '''
+import functools, sys
+import torch
+
+real = torch.autograd.backward
+if sys.argv[1] == "wraps":
+    @functools.wraps(real)
+    def wrapper(*args, **kwargs):
+        return real(*args, **kwargs)
+else:
+    def wrapper(*args, **kwargs):  # says nothing of what it wraps
+        return real(*args, **kwargs)
+torch.autograd.backward = wrapper  # a profiler or harness, before versionwatch is imported
+
+import versionwatch
+
+runs = []
+with versionwatch.watch_all(on_hazard=lambda r: print("predicted:", r.hazards[0].kind)):
+    x = torch.ones(3, requires_grad=True)
+    x.register_hook(lambda g: runs.append(1))
+    (x * 2).sum().backward()
+    print("engine runs:", len(runs))
+    y = x.exp()
+    y.add_(1)
+    try:
+        y.sum().backward()
+    except RuntimeError as e:
+        print("raised:", str(e)[:40])
+'''
+
+
+@pytest.mark.parametrize("kind", ["wraps", "bare"])
+def test_backward_wrapped_before_import_runs_once(tmp_path, kind):
+    """A wrapper installed before versionwatch is never run by a prediction."""
+    script = tmp_path / "wrapped_first.py"
+    script.write_text(_WRAPPED_FIRST)
+    out = subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "engine runs: 1" in lines
+    assert "raised: one of the variables needed for gradient" in lines
+    # Through __wrapped__ the call is still predicted; a wrapper that hides what it
+    # wraps leaves the call unpredicted, and PyTorch's error still reaches the user.
+    assert ("predicted: inplace" in lines) == (kind == "wraps")
+    said = "calls to torch.autograd.backward are not predicted"
+    assert out.stderr.count(said) == (kind == "bare"), out.stderr

@@ -19,6 +19,7 @@ running torch's words, learnt once from the real engine on a throwaway leaf
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 import types
 from collections.abc import Iterable, Iterator, Mapping
@@ -115,6 +116,35 @@ def _no_grads(_: Any, length: int) -> tuple[None, ...]:
     return (None,) * length
 
 
+def _genuine(api: Api) -> Any:
+    """PyTorch's own ``torch.autograd.<api>``, behind any wrappers that say what they wrap.
+
+    A profiler, a test harness or another tool may have wrapped the function
+    before versionwatch was imported. A copy of a wrapper's code would call
+    what the wrapper closes over, the real function, and run the whole
+    backward inside the prediction: only PyTorch's own code is ever copied.
+    """
+    fn: Any = _ORIGINAL[api]
+    for _ in range(100):  # a __wrapped__ chain can loop
+        code = getattr(fn, "__code__", None)
+        if (code is not None and getattr(fn, "__module__", None) == "torch.autograd"
+                and code.co_name == api):
+            return fn
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            break
+    msg = (f"torch.autograd.{api} was replaced before versionwatch was imported, by a wrapper "
+           "that does not name the function it wraps (functools.wraps sets __wrapped__): "
+           f"calls to torch.autograd.{api} are not predicted")
+    if api not in _HIDDEN_SAID:
+        _HIDDEN_SAID.add(api)
+        logging.getLogger("versionwatch").warning("versionwatch: %s", msg)
+    raise TypeError(msg)
+
+
+_HIDDEN_SAID: set[str] = set()
+
+
 @functools.cache
 def _preamble(api: Api, grads: bool) -> Callable[..., Any]:
     """``torch.autograd.<api>`` itself, up to the engine: it raises :class:`_Reached` there.
@@ -124,7 +154,7 @@ def _preamble(api: Api, grads: bool) -> Callable[..., Any]:
     vmap, warnings). Without ``grads``, the gradients are not read either:
     what is left is how the call reads its outputs and inputs.
     """
-    fn: Any = _ORIGINAL[api]
+    fn = _genuine(api)
     env = dict(fn.__globals__)
     env.update(_engine_run_backward=_stop, has_torch_function=_no_torch_function,
                warnings=_Quiet, _vmap_internals=_NoVmap)
@@ -310,8 +340,9 @@ def _run(api: Api, grads: bool, args: tuple[Any, ...], kwargs: dict[str, Any],
         TypeError: ``outputs`` is not tensors at all (our sentence).
         BadCall: PyTorch rejects the call; ``.error`` is its exception.
     """
+    copy = _preamble(api, grads)  # outside the try: it is not PyTorch rejecting the call
     try:
-        _preamble(api, grads)(*args, **kwargs)
+        copy(*args, **kwargs)
     except _Reached as reached:
         a = _engine(*reached.call[0], **reached.call[1])
     except Exception as e:  # whatever PyTorch's own code raised
