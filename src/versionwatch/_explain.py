@@ -1,12 +1,19 @@
-"""Words: the fix for each kind of hazard, and the text rendering of a report."""
+"""Words: the fix for each kind of hazard, and the text rendering of a report.
+
+It depends on the report, which knows nothing of it: loading this module
+registers the text renderer (and, through ``_dot``, the Graphviz one) that
+``str(report)`` and ``report.to_dot()`` use. ``versionwatch.Report`` and its
+kin are loaded from here for that reason.
+"""
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from versionwatch._report import Hazard, Report
+from versionwatch import _dot  # noqa: F401  (loads and registers the Graphviz renderer)
+from versionwatch._report import Hazard, Modification, Report, Site, register_renderer
+
+__all__ = ["Hazard", "Modification", "Report", "Site", "fix_for", "op_name", "render_report"]
 
 _BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
 
@@ -176,3 +183,6 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
             "and were not verified"
         )
     return "\n".join(lines)
+
+
+register_renderer("text", render_report)

@@ -1,18 +1,40 @@
-"""The prediction's result: :class:`Hazard`, :class:`Report`, and their rendering.
+"""The prediction's result: :class:`Hazard` and :class:`Report`, as plain data.
 
 A report holds plain data only (names, shapes, versions, strings): never a
 tensor or an autograd node, so keeping one (or the exception that carries it)
 keeps no graph alive.
+
+Rendering depends on the report, never the other way round: the renderers
+(``_explain`` for text, ``_dot`` for Graphviz) import this module and register
+themselves in :data:`RENDERERS` when they load, and ``str(report)`` and
+``report.to_dot()`` look them up there. Every path that hands out a report
+(the predictor, the watcher, ``versionwatch.Report`` itself) loads them first.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 HazardKind = Literal["inplace", "freed", "silent"]
 SCHEMA = "versionwatch.report/1"
+
+# "text" and "dot" -> the function that renders a report so; filled by the renderers.
+RENDERERS: dict[str, Callable[[Report], str]] = {}
+
+
+def register_renderer(kind: str, render: Callable[[Report], str]) -> None:
+    """Make ``render`` the way reports render as ``kind`` (``"text"`` or ``"dot"``)."""
+    RENDERERS[kind] = render
+
+
+def _render(report: Report, kind: str) -> str:
+    render = RENDERERS.get(kind)
+    if render is None:
+        raise RuntimeError(
+            f"versionwatch: no {kind} renderer is loaded; import versionwatch._explain first")
+    return render(report)
 
 
 @dataclass(frozen=True)
@@ -208,9 +230,7 @@ class Report:
         return self.hazards[0] if self.hazards else None
 
     def __str__(self) -> str:
-        from versionwatch._explain import render_report
-
-        return render_report(self)
+        return _render(self, "text")
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data, schema ``versionwatch.report/1``."""
@@ -239,9 +259,7 @@ class Report:
         The saving node is red; the tensor box shows its name and both versions;
         the events that modified it point at it.
         """
-        from versionwatch._dot import report_to_dot
-
-        return report_to_dot(self)
+        return _render(self, "dot")
 
     def _repr_html_(self) -> str:
         import html
