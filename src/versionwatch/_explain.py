@@ -115,6 +115,23 @@ def _write_facts(h: Hazard) -> list[tuple[str, str]]:
     return facts
 
 
+def _saved_at(h: Hazard) -> str:
+    """``Node.slot at file:line: code (in module, during forward #1 called at file:line)``."""
+    site = h.saved_at
+    assert site is not None
+    text = f"{h.where} at {site}" + (f": {site.code}" if site.code else "")
+    context = []
+    if h.module:
+        context.append(f"in {h.module}")
+    if h.saved_during:
+        # The forward's own site is the call, the op's line is above: say which is which.
+        label, sep, where = h.saved_during.rpartition(" at ")
+        context.append(f"during {label} called at {where}" if sep else f"during {where}")
+    if h.saved_version is not None:
+        context.append(f"at version {h.saved_version}")
+    return text + (f" ({', '.join(context)})" if context else "")
+
+
 def _facts(h: Hazard) -> list[tuple[str, str]]:
     if h.detected == "at_write":
         return _write_facts(h)
@@ -128,7 +145,10 @@ def _facts(h: Hazard) -> list[tuple[str, str]]:
         saved += f", at version {h.saved_version}"
     if h.saved_during:
         saved += f", during {h.saved_during}"
-    facts.append(("saved by", saved))
+    if h.saved_at is not None:
+        facts.append(("saved by", _saved_at(h)))
+    else:
+        facts.append(("saved by", saved))
     if h.current_version is not None:
         facts.append(("now at", f"version {h.current_version}"))
     for i, m in enumerate(h.modified_by):

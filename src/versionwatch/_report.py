@@ -74,6 +74,10 @@ class Modification:
         return text
 
 
+def _site(site: Site | None) -> dict[str, Any] | None:
+    return None if site is None else {"file": site.file, "line": site.line, "code": site.code}
+
+
 def _event(bound: tuple[str, Site | None]) -> dict[str, Any]:
     label, site = bound
     return {"event": label, "file": site.file if site else None,
@@ -103,6 +107,9 @@ class Hazard:
         order: position of ``node`` in the backward's execution order (0 first).
         module: qualified name of the module whose forward saved it, when a
             watcher knows it.
+        saved_during: the forward that saved it and where it was called, when
+            a watcher knows it (``"m.forward #1 at train.py:12"``).
+        saved_at: the user's line of the op that saved it (strict mode).
         modified_by: the events that moved the version, when a watcher knows them.
         notes: further facts a watcher knows (e.g. why a step updated the tensor).
         path: node names from the backward's root down to ``node``.
@@ -131,6 +138,7 @@ class Hazard:
     order: int = 0
     module: str | None = None
     saved_during: str | None = None
+    saved_at: Site | None = None
     modified_by: list[Modification] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     path: list[str] = field(default_factory=list)
@@ -167,6 +175,7 @@ class Hazard:
         d["tensor"] = self.tensor or self.describe_tensor()
         d["shape"] = list(self.shape) if self.shape is not None else None
         d["saved_by"] = self.node
+        d["saved_at"] = _site(self.saved_at)
         del d["node"], d["key"], d["seq"]
         d["modified_by"] = [
             {

@@ -220,6 +220,14 @@ def _variable_name(module: nn.Module, skip: int) -> str:
     return type(module).__name__
 
 
+# Default mode sees events, not ops: a write to an activation (or any tensor
+# it does not track) between two events has no line it could name.
+_UNSEEN_WRITE = (
+    "default mode sees forwards, backwards and steps, not the write itself: "
+    "`versionwatch run --strict script.py` (or watch(..., strict=True)) names its line"
+)
+
+
 def _match_ledger(h: Hazard, scope: list[Watcher]) -> None:
     """Name a stale tensor that the predictor could not read (old torch), by its history.
 
@@ -437,7 +445,8 @@ class Watcher:
                 n = self._forwards[root]
             # Only a forward under grad mode creates nodes to tell apart.
             seq = _seq_clock() if torch.is_grad_enabled() else None
-            event = self.ledger.record("forward", self._label(root, n), user_site(3), seq=seq)
+            event = self.ledger.record("forward", self._label(root, n), user_site(3), seq=seq,
+                                      module=root)
             if self.strict:
                 _strict._LOCAL.forward = (
                     f"{event.label} at {event.site}" if event.site else event.label)
@@ -445,9 +454,12 @@ class Watcher:
             label = self._label(root, self._forwards[root])
             if self.strict:
                 _strict._LOCAL.forward = None
+            # The clock at the end too: nodes numbered between the two were made
+            # by this forward, activations included (ledger.place_forward).
+            seq = _seq_clock() if torch.is_grad_enabled() else None
             self.ledger.record(
                 "forward_end", label, None,
-                cause=Modification("module_forward", f"during {label} of {root}"),
+                cause=Modification("module_forward", f"during {label} of {root}"), seq=seq,
             )
 
     def _on_zero_grad(self, opt: Optimizer, set_to_none: bool) -> None:
@@ -650,6 +662,12 @@ class Watcher:
                 tracker(h.key).ledger.blame(h, h.key)
                 if exact:
                     h.modified_by = exact
+            if h.seq is not None and (h.module is None or h.saved_during is None):
+                for w in scope:
+                    if w.ledger.place_forward(h):
+                        break
+            if not self.strict and h.kind == "inplace" and not h.modified_by:
+                h.notes.append(_UNSEEN_WRITE)
             h.fix = fix_for(h)
         owner = tracker(report.hazards[0].key if report.hazards else None)
         report.timeline = owner.timeline(report=report)
