@@ -28,6 +28,16 @@ def op_name(node_or_producer: str) -> str:
 
 def fix_for(h: Hazard) -> str:
     """The concrete fix for one hazard, worded for its case."""
+    if h.kind == "freed" and h.carried_by is not None:
+        state = f"`{h.carried_by}`" if h.carried_by else "the state"
+        detach = (f"`{h.carried_by} = {h.carried_by}.detach()`" if h.carried_by
+                  else "`.detach()` on it")
+        return (
+            f"detach {state} carried from one iteration to the next once its backward has "
+            f"run: {detach} before it feeds the next forward (truncated backpropagation "
+            "through time); retain_graph=True would make every backward run through all "
+            "earlier iterations again, and fail once an optimizer step changed their weights"
+        )
     if h.kind == "freed":
         return (
             "an earlier backward already freed this graph's saved tensors: pass "
@@ -132,7 +142,23 @@ def _saved_at(h: Hazard) -> str:
     return text + (f" ({', '.join(context)})" if context else "")
 
 
-def _facts(h: Hazard) -> list[tuple[str, str]]:
+def _freed_facts(h: Hazard, report: Report) -> list[tuple[str, str]]:
+    facts: list[tuple[str, str]] = []
+    f = h.freed_by
+    if f is not None:
+        text = f"{f.description}" + (f" at {f.site}" if f.site else "")
+        if f.site is not None and f.site == report.backward_site:
+            text += " (this same line, in an earlier iteration)"
+        text += ", which ran without retain_graph=True"
+        facts.append(("freed by", text))
+    if h.carried_by is not None:
+        what = f"`{h.carried_by}`" if h.carried_by else "a tensor from an earlier iteration"
+        facts.append(("carried by", f"{what}: this backward's graph was built after that "
+                                    "backward, and reaches into the freed graph through it"))
+    return facts
+
+
+def _facts(h: Hazard, report: Report | None = None) -> list[tuple[str, str]]:
     if h.detected == "at_write":
         return _write_facts(h)
     facts: list[tuple[str, str]] = []
@@ -151,6 +177,8 @@ def _facts(h: Hazard) -> list[tuple[str, str]]:
         facts.append(("saved by", saved))
     if h.current_version is not None:
         facts.append(("now at", f"version {h.current_version}"))
+    if h.kind == "freed" and report is not None:
+        facts += _freed_facts(h, report)
     for i, m in enumerate(h.modified_by):
         # Strict mode's writes carry their source line: show the code itself.
         code = f": {m.site.code}" if m.kind == "inplace_op" and m.site and m.site.code else ""
@@ -158,6 +186,21 @@ def _facts(h: Hazard) -> list[tuple[str, str]]:
     for note in h.notes:
         facts.append(("note", note))
     return facts
+
+
+def _also(hazards: list[Hazard]) -> list[tuple[str, int]]:
+    """One line per distinct hazard, with how many times it occurs, in order."""
+    counts: dict[str, int] = {}
+    for other in hazards:
+        what = other.describe_tensor()
+        # A freed slot's tensor is gone: "a tensor" would say nothing.
+        text = f"{other.kind}: {other.where}"
+        if other.kind != "freed" or other.tensor or other.producer:
+            text += f": {what}"
+        if other.saved_version is not None:
+            text += f", saved at version {other.saved_version}, now {other.current_version}"
+        counts[text] = counts.get(text, 0) + 1
+    return list(counts.items())
 
 
 def render_report(report: Report, *, torch_message: bool = True) -> str:
@@ -179,7 +222,7 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
             text += f", {len(report.unverifiable)} not verifiable (behind saved_tensors_hooks)"
         return text
     lines = [_headline(report, h)]
-    facts = _facts(h)
+    facts = _facts(h, report)
     if report.backward_site is not None:
         thread = f" on thread {report.thread}" if report.thread else ""
         facts.append(("backward at", f"{report.backward_site}{thread}"))
@@ -190,13 +233,11 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
     lines += [f"  {k:<{width}}  {v}" for k, v in facts]
     if len(report.hazards) > 1:
         lines.append(f"  also ({len(report.hazards) - 1} more):")
-        for other in report.hazards[1:6]:
-            versions = ""
-            if other.saved_version is not None:
-                versions = f", saved at version {other.saved_version}, now {other.current_version}"
-            lines.append(f"    {other.kind}: {other.where}: {other.describe_tensor()}{versions}")
-        if len(report.hazards) > 6:
-            lines.append(f"    ... and {len(report.hazards) - 6} more")
+        others = _also(report.hazards[1:])
+        for text, count in others[:5]:
+            lines.append(f"    {text}" + (f" (x{count})" if count > 1 else ""))
+        if len(others) > 5:
+            lines.append(f"    ... and {sum(c for _, c in others[5:])} more")
     if report.unverifiable:
         lines.append(
             f"  note: {len(report.unverifiable)} saved tensors are behind saved_tensors_hooks "

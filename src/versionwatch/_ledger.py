@@ -35,6 +35,7 @@ class Event:
     seq: int | None = None
     thread: int = field(default_factory=threading.get_ident)
     module: str | None = None  # a forward's root module, by its watched name
+    frees: bool = False  # a backward without retain_graph: it frees the graph it runs
 
 
 class Transition(NamedTuple):
@@ -170,6 +171,7 @@ class Ledger:
         notes: dict[int, str] | None = None,
         seq: int | None = None,
         module: str | None = None,
+        frees: bool = False,
     ) -> Event:
         """Add an event; changes since the last one go to ``cause`` or to the interval.
 
@@ -190,7 +192,7 @@ class Ledger:
             # "end of backward #2", placed at the line that started it
             start = next((e for e in reversed(self.events) if e.label == label), None)
             label, site = f"end of {label}", site or (start.site if start else None)
-        event = Event(self.count, kind, label, site, seq, module=module)
+        event = Event(self.count, kind, label, site, seq, module=module, frees=frees)
         versions = self._scan(cause, label, site, notes)
         if cause is None:
             # A change made before this event, not by it, gets its own row, so
@@ -347,6 +349,19 @@ class Ledger:
         if h.saved_during is None:
             h.saved_during = start.label + (f" at {start.site}" if start.site else "")
         return True
+
+    @_locked
+    def freer(self, seq: int) -> Event | None:
+        """The first freeing backward on this thread that began after node ``seq`` was made.
+
+        The last backward recorded is the one being predicted: never its own freer.
+        """
+        me = threading.get_ident()
+        backwards = [ev for ev in self.events if ev.kind == "backward"]
+        for ev in backwards[:-1]:
+            if ev.frees and ev.thread == me and ev.seq is not None and ev.seq > seq:
+                return ev
+        return None
 
     @_locked
     def table(self, keys: list[int]) -> list[tuple[Event, list[int | None]]]:

@@ -110,6 +110,12 @@ class Hazard:
         saved_during: the forward that saved it and where it was called, when
             a watcher knows it (``"m.forward #1 at train.py:12"``).
         saved_at: the user's line of the op that saved it (strict mode).
+        freed_by: for ``freed``, the earlier backward that freed the graph, when
+            a watcher saw it.
+        carried_by: for ``freed``, when this backward's graph was built after
+            that backward and reaches into the freed one: the variable that
+            carried the old graph in (``"h"``), or ``""`` when no variable
+            shows it.
         modified_by: the events that moved the version, when a watcher knows them.
         notes: further facts a watcher knows (e.g. why a step updated the tensor).
         path: node names from the backward's root down to ``node``.
@@ -139,6 +145,8 @@ class Hazard:
     module: str | None = None
     saved_during: str | None = None
     saved_at: Site | None = None
+    freed_by: Modification | None = None
+    carried_by: str | None = None
     modified_by: list[Modification] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     path: list[str] = field(default_factory=list)
@@ -176,6 +184,10 @@ class Hazard:
         d["shape"] = list(self.shape) if self.shape is not None else None
         d["saved_by"] = self.node
         d["saved_at"] = _site(self.saved_at)
+        f = self.freed_by
+        d["freed_by"] = None if f is None else {
+            "description": f.description, "file": f.site.file if f.site else None,
+            "line": f.site.line if f.site else None}
         del d["node"], d["key"], d["seq"]
         d["modified_by"] = [
             {

@@ -228,6 +228,30 @@ _UNSEEN_WRITE = (
 )
 
 
+def _carrier(frame: Any, node: str, seq: int) -> str | None:
+    """The user's variable that holds the output of node ``node`` #``seq``, or a newer one.
+
+    Exact first (the old tensor itself); else a variable rebound to a newer
+    output of the same op, as recurrent state is (``h = rnn(x, h)``).
+    """
+    if frame is None:
+        return None
+    newer = None
+    for scope in (frame.f_locals, frame.f_globals):
+        for name, value in list(scope.items()):
+            if name.startswith("_") or not isinstance(value, torch.Tensor):
+                continue
+            fn = value.grad_fn
+            if fn is None or fn.name() != node:
+                continue
+            nr = int(fn._sequence_nr())
+            if nr == seq:
+                return str(name)
+            if nr > seq and newer is None:
+                newer = str(name)
+    return newer
+
+
 def _match_ledger(h: Hazard, scope: list[Watcher]) -> None:
     """Name a stale tensor that the predictor could not read (old torch), by its history.
 
@@ -565,7 +589,11 @@ class Watcher:
         with _LOCK:  # threads number their backwards from one counter
             self._backwards += 1
             n = self._backwards
-        self.ledger.record("backward", f"backward #{n}", site)
+        frees = _inflight.frees(api, arguments)
+        # A freeing backward keeps the clock at its start: a graph it may have
+        # freed is older, and one built since is newer (see _explain_freed).
+        self.ledger.record("backward", f"backward #{n}", site,
+                           seq=_seq_clock() if frees else None, frees=frees)
         _LOCAL.busy = True
         ended = False
         scope = self._scope()
@@ -577,7 +605,7 @@ class Watcher:
                 silent.update(w._silent)
         if silent:
             silent = self._this_thread(silent, scope)
-        flight = _inflight.Flight(self, f"backward #{n}", site, _inflight.frees(api, arguments))
+        flight = _inflight.Flight(self, f"backward #{n}", site, frees)
         try:
             try:
                 with gated(lambda nodes: _inflight.depart(flight, nodes)):
@@ -595,6 +623,8 @@ class Watcher:
                 if flight.freed_by:
                     _inflight.name_freer(report, flight)
                 if not report.ok:
+                    if report.hazards[0].kind == "freed":
+                        self._explain_freed(report, outputs, scope)
                     self._explain(report, scope)._dispatch(report)
             try:
                 return call()
@@ -673,6 +703,38 @@ class Watcher:
         report.timeline = owner.timeline(report=report)
         owner.reports.append(report)
         return owner
+
+    @staticmethod
+    def _explain_freed(report: Report, outputs: Any, scope: list[Watcher]) -> None:
+        """Name the backward that freed each graph, and what carried it into this one.
+
+        The freer is the first freeing backward since the node was made. When
+        this backward's own graph was built after that one (its root is newer),
+        it is a new graph that reaches into the freed one: a tensor from an
+        earlier iteration carried it in. The user's frame usually still holds
+        that tensor's variable: bound to it (its node is the freed one), or,
+        for state carried across iterations (``h = rnn(x, h)``), rebound to
+        this iteration's value, made by the same op.
+        """
+        roots = [t for t in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        root_seq = max((int(fn._sequence_nr()) for t in roots if (fn := t.grad_fn) is not None),
+                       default=None)
+        frame, _ = user_frame(1)
+        carrier: str | None = None  # found from the first freed node met: the boundary
+        for h in report.hazards:
+            if h.kind != "freed" or h.seq is None:
+                continue
+            freer = next((ev for w in scope if (ev := w.ledger.freer(h.seq)) is not None), None)
+            if freer is None:
+                continue
+            h.freed_by = Modification(
+                "backward", freer.label, freer.site)
+            if root_seq is None or freer.seq is None or root_seq < freer.seq:
+                continue  # the same graph, run a second time
+            if carrier is None:
+                carrier = _carrier(frame, h.node, h.seq) or ""
+            h.carried_by = carrier
 
     def _dispatch(self, report: Report) -> None:
         __tracebackhide__ = True
