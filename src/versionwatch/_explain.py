@@ -226,6 +226,8 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
     if report.backward_site is not None:
         thread = f" on thread {report.thread}" if report.thread else ""
         facts.append(("backward at", f"{report.backward_site}{thread}"))
+    if report.replay:
+        facts.append(("replay", report.replay))
     facts.append(("fix", h.fix))
     if torch_message and h.torch_message:
         facts.append(("pytorch", h.torch_message))

@@ -263,7 +263,10 @@ class Ledger:
             return Modification("between_events", f"before {upcoming}", site)
         where = f" ({prev.site})" if prev.site else ""
         here = f" ({site})" if site else ""
-        return Modification("between_events", f"between {prev.label}{where} and {upcoming}{here}",
+        # Not a watched forward, backward or step: code of the user's own
+        # (a no_grad update, a clip, a weight merge) or an unwatched library.
+        return Modification("between_events",
+                            f"in user code between {prev.label}{where} and {upcoming}{here}",
                             bounds=((prev.label, prev.site), (upcoming, site)))
 
     @_locked

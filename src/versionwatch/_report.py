@@ -221,6 +221,10 @@ class Report:
         backward_site: the user's backward call, when a watcher knows it.
         thread: the name of the thread that called it, once several threads
             have run watched events.
+        backward: the backward's number in its watcher (``backward #2``), when
+            a watcher ran it.
+        replay: what ``versionwatch run --replay`` found when it re-ran the
+            program in strict mode to fill in the lines, if it did.
 
     Example:
         >>> import torch, versionwatch
@@ -239,6 +243,8 @@ class Report:
     backward_site: Site | None = None
     timeline: Any = None
     thread: str | None = None
+    backward: int | None = None
+    replay: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -259,6 +265,8 @@ class Report:
         hazards = []
         for h in self.hazards:
             d = h.to_dict()
+            d["backward"] = self.backward
+            d["replay"] = self.replay
             d["backward_site"] = {"file": site.file, "line": site.line} if site else None
             if site and self.thread:
                 d["backward_site"]["thread"] = self.thread

@@ -223,9 +223,20 @@ def _variable_name(module: nn.Module, skip: int) -> str:
 # Default mode sees events, not ops: a write to an activation (or any tensor
 # it does not track) between two events has no line it could name.
 _UNSEEN_WRITE = (
-    "default mode sees forwards, backwards and steps, not the write itself: "
-    "`versionwatch run --strict script.py` (or watch(..., strict=True)) names its line"
+    "default mode sees forwards, backwards, steps and zero_grad, not the write itself: "
+    "`versionwatch run --replay ...` (or --strict, or watch(..., strict=True)) names its line"
 )
+
+
+class ReplayStop(BaseException):
+    """A replay reached the backward it was to stop at (``versionwatch run --replay``).
+
+    A ``BaseException``: the program's own ``except Exception`` must let it through.
+    """
+
+    def __init__(self, report: Report | None) -> None:
+        super().__init__("versionwatch: replay stopped")
+        self.report = report
 
 
 def _carrier(frame: Any, node: str, seq: int) -> str | None:
@@ -315,6 +326,8 @@ class Watcher:
     """
 
     _kept_grads = False  # set once a zero_grad(set_to_none=False) left grad marks
+    # `versionwatch run --replay`'s strict re-run: the backward number to stop at.
+    _replay_at: int | None = None
     _stepped_aside = False  # set once a torch.func transform ran unwatched
 
     def __init__(
@@ -618,6 +631,7 @@ class Watcher:
                 report = None  # PyTorch rejects the arguments before any saved tensor: its error
             if report is not None:
                 report.backward_site = site
+                report.backward = n
                 if self.ledger.threaded:
                     report.thread = threading.current_thread().name
                 if flight.freed_by:
@@ -625,7 +639,11 @@ class Watcher:
                 if not report.ok:
                     if report.hazards[0].kind == "freed":
                         self._explain_freed(report, outputs, scope)
-                    self._explain(report, scope)._dispatch(report)
+                    self._explain(report, scope)
+                if n == self._replay_at:
+                    raise ReplayStop(report)
+                if not report.ok:
+                    self._dispatch(report)
             try:
                 return call()
             except RuntimeError as e:
@@ -696,7 +714,8 @@ class Watcher:
                 for w in scope:
                     if w.ledger.place_forward(h):
                         break
-            if not self.strict and h.kind == "inplace" and not h.modified_by:
+            if not self.strict and h.kind == "inplace" and all(
+                    m.kind == "between_events" for m in h.modified_by):
                 h.notes.append(_UNSEEN_WRITE)
             h.fix = fix_for(h)
         owner = tracker(report.hazards[0].key if report.hazards else None)
