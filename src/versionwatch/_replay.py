@@ -12,7 +12,6 @@ side effects: the docs say so, and it is opt-in.
 from __future__ import annotations
 
 import json
-import linecache
 import os
 import subprocess
 import sys
@@ -62,15 +61,20 @@ def run_child(command: list[str], backward: int) -> tuple[dict[str, Any] | None,
                 CHILD_OPTION, f"{backward}:{path}", "--", *command]
         if command[:1] == ["-m"]:  # `--` would make "-m" the script's name
             argv = [*argv[:argv.index("--")], *command]
+        # This very versionwatch replays, wherever the program's folder puts
+        # sys.path (a relative PYTHONPATH, another copy installed).
+        env = dict(os.environ)
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, check=False)
+                              stderr=subprocess.PIPE, env=env, check=False)
         with open(path, encoding="utf-8") as f:
             text = f.read()
         if text:
             return json.loads(text), ""
         said = done.stderr.decode(errors="replace").strip().splitlines()
         last = f": {said[-1]}" if said else ""
-        return None, (f"it ended (exit status {done.returncode}) before backward "
+        return None, (f"ended (exit status {done.returncode}) before backward "
                       f"#{backward}{last}")
     finally:
         os.unlink(path)
@@ -84,8 +88,20 @@ def _same(h: Hazard, c: dict[str, Any]) -> bool:
 def _site(d: dict[str, Any] | None) -> Site | None:
     if not d or d.get("file") is None or d.get("line") is None:
         return None
-    code = d.get("code") or linecache.getline(d["file"], d["line"]).strip()
+    code = d.get("code") or _source_line(d["file"], d["line"])
     return Site(d["file"], d["line"], code)
+
+
+def _source_line(file: str, line: int) -> str:
+    # Read afresh: linecache may hold another file of the same relative name.
+    try:
+        with open(file, encoding="utf-8", errors="replace") as f:
+            for n, text in enumerate(f, 1):
+                if n == line:
+                    return text.strip()
+    except OSError:
+        pass
+    return ""
 
 
 def merge(report: Report, child: dict[str, Any] | None, why: str) -> None:
@@ -94,10 +110,14 @@ def merge(report: Report, child: dict[str, Any] | None, why: str) -> None:
     h = report.hazards[0]
     hazards = (child or {}).get("hazards") or []
     if child is None or not hazards:
-        report.replay = (f"not reproduced: the strict replay of the same command {why or ''}"
-                         f"{'' if why else f'found no hazard at backward #{n}'}; the program "
-                         "is not deterministic enough to replay (seed it, fix its data order), "
-                         "or run it with --strict")
+        if child is None:
+            report.replay = (f"not reproduced: the strict replay of the same command {why}; "
+                             "run it with --strict instead")
+        else:
+            report.replay = (f"not reproduced: the strict replay of the same command found no "
+                             f"hazard at backward #{n}; the program is not deterministic "
+                             "enough to replay (seed it, fix its data order), or run it with "
+                             "--strict")
         return
     c = hazards[0]
     if not _same(h, c):
