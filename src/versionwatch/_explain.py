@@ -117,6 +117,8 @@ def _write_facts(h: Hazard) -> list[tuple[str, str]]:
         saved += f" in {h.module}"
     if h.saved_during:
         saved += f", during {h.saved_during}"
+    if h.saved_at is not None:
+        saved = _saved_at(h, by=False)
     facts = [("tensor", h.describe_tensor()), ("saved", saved)]
     for m in h.modified_by:
         code = f": {m.site.code}" if m.site and m.site.code else ""
@@ -125,11 +127,14 @@ def _write_facts(h: Hazard) -> list[tuple[str, str]]:
     return facts
 
 
-def _saved_at(h: Hazard) -> str:
-    """``Node.slot at file:line: code (in module, during forward #1 called at file:line)``."""
+def _saved_at(h: Hazard, by: bool = True) -> str:
+    """``Node.slot at file:line: code (in module, during forward #1 called at file:line)``.
+
+    ``by=False``: a write's report, which knows no node yet: ``at file:line: code (...)``.
+    """
     site = h.saved_at
     assert site is not None
-    text = f"{h.where} at {site}" + (f": {site.code}" if site.code else "")
+    text = (f"{h.where} " if by else "") + f"at {site}" + (f": {site.code}" if site.code else "")
     context = []
     if h.module:
         context.append(f"in {h.module}")
