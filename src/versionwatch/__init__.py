@@ -47,10 +47,10 @@ _WHERE = {
     "InplaceModificationError": "_errors",
     "assert_backward_safe": "_predict",
     "check": "_predict",
-    "Hazard": "_report",
-    "Modification": "_report",
-    "Report": "_report",
-    "Site": "_report",
+    "Hazard": "_explain",  # loads the renderers str(report) uses
+    "Modification": "_explain",  # loads the renderers str(report) uses
+    "Report": "_explain",  # loads the renderers str(report) uses
+    "Site": "_explain",  # loads the renderers str(report) uses
     "Timeline": "_timeline",
     "Watcher": "_watch",
     "watch": "_watch",

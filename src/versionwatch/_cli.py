@@ -19,7 +19,8 @@ from typing import Any, NoReturn
 
 USAGE = """\
 versionwatch run [--on-hazard raise|warn|log] [--json PATH] [--dot PATH] [--svg PATH]
-                 [--quiet] [--strict] [--stop-at-write] (SCRIPT | -m MODULE) [ARGS...]
+                 [--quiet] [--strict] [--stop-at-write] [--replay]
+                 (SCRIPT | -m MODULE) [ARGS...]
 versionwatch demo"""
 
 
@@ -51,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--stop-at-write", action="store_true",
                      help="strict mode that stops at any write to memory a live graph saved, "
                      "before it happens, even if that graph never runs backward again")
+    run.add_argument("--replay", action="store_true",
+                     help="when a backward would fail, run the same command again in strict "
+                     "mode up to that backward, and merge its lines into the report (the "
+                     "program runs twice, side effects included)")
+    # The replay's own child: stop at backward N, write its report to PATH.
+    run.add_argument("--replay-child", metavar="N:PATH", help=argparse.SUPPRESS)
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     run.add_argument("target", nargs=argparse.REMAINDER,
                      help="SCRIPT [ARGS...], or ARGS... with -m")
@@ -216,6 +223,8 @@ def _run_script(path: str) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     import versionwatch
+    from versionwatch._replay import CHILD_OPTION
+    from versionwatch._watch import ReplayStop
 
     if args.module:
         # As python -m: "-m" until runpy finds the module and puts its file there.
@@ -228,6 +237,20 @@ def _run(args: argparse.Namespace) -> int:
     if not args.module and not os.path.exists(argv[0]):
         print(f"versionwatch run: can't open file {argv[0]!r}: no such file", file=sys.stderr)
         return 2
+    if args.replay:
+        from versionwatch._replay import refusal
+
+        problem = refusal()
+        if problem is None and (args.strict or args.stop_at_write):
+            problem = ("versionwatch run: --replay re-runs a default-mode run in strict mode; "
+                       "with --strict or --stop-at-write the lines are there already")
+        if problem is not None:
+            print(problem, file=sys.stderr)
+            return 2
+    child = _child(args.replay_child)
+    if args.replay_child is not None and child is None:
+        print("versionwatch run: --replay-child takes N:PATH", file=sys.stderr)
+        return 2
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = argv
     if args.module:
@@ -237,13 +260,20 @@ def _run(args: argparse.Namespace) -> int:
         sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
     status = 0
     err: BaseException | None = None
-    watcher = versionwatch.watch_all(on_hazard=args.on_hazard, strict=args.strict,
-                                     stop_at_write=args.stop_at_write)
+    watcher = versionwatch.watch_all(on_hazard="log" if child else args.on_hazard,
+                                     strict=args.strict, stop_at_write=args.stop_at_write)
+    if child:
+        watcher._replay_at = child[0]
     try:
         if args.module:
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
         else:
             _run_script(argv[0])
+    except ReplayStop as stop:
+        assert child is not None
+        _write_file(CHILD_OPTION, child[1], json.dumps(
+            stop.report.to_dict() if stop.report is not None else {"ok": True}))
+        return 0
     except SystemExit as e:
         code = e.code
         status = code if isinstance(code, int) else (0 if code is None else 1)
@@ -257,12 +287,42 @@ def _run(args: argparse.Namespace) -> int:
         sys.argv = saved_argv
         if saved_path0 is not None:
             sys.path[0] = saved_path0
+        if args.replay and not isinstance(err, KeyboardInterrupt):
+            _replay(args, watcher)
         _write_outputs(args, watcher, status, err)
     if not args.quiet:
         _summary(watcher, err)
     if isinstance(err, KeyboardInterrupt):
         _exit_interrupted(err)
     return status
+
+
+def _child(value: str | None) -> tuple[int, str] | None:
+    """``--replay-child N:PATH`` as ``(N, PATH)``; ``None`` if absent or malformed."""
+    if value is None:
+        return None
+    n, sep, path = value.partition(":")
+    if not sep or not n.isdigit() or not path:
+        return None
+    return int(n), path
+
+
+def _replay(args: argparse.Namespace, watcher: Any) -> None:
+    """Re-run the command in strict mode up to the first failing backward; merge its lines."""
+    from versionwatch._replay import merge, run_child, target
+
+    report = target(list(watcher.reports))
+    if report is None or report.backward is None:
+        return
+    command = ["-m", args.module, *args.target] if args.module else list(args.target)
+    print(f"versionwatch: --replay: running the same command again in strict mode, up to "
+          f"backward #{report.backward}", file=sys.stderr)
+    found, why = run_child(command, report.backward)
+    merge(report, found, why)
+    if report.hazards[0].saved_at is not None or report.hazards[0].modified_by:
+        print(report, file=sys.stderr)
+    else:
+        print(f"versionwatch: --replay: {report.replay}", file=sys.stderr)
 
 
 def _summary(watcher: Any, err: BaseException | None) -> None:
@@ -294,6 +354,7 @@ def _split_run(argv: Sequence[str], parser: argparse.ArgumentParser,
     run = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     valued = {o for a in run.choices["run"]._actions if a.nargs != 0 for o in a.option_strings
               if o.startswith("--")}
+    flags = {o for a in run.choices["run"]._actions if a.nargs == 0 for o in a.option_strings}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -310,7 +371,8 @@ def _split_run(argv: Sequence[str], parser: argparse.ArgumentParser,
             return list(argv[:i]), None, list(argv[i:])
         # An option's value may look like a script (`--json out.json`); argparse
         # takes any unambiguous prefix of a long option (`--js out.json`).
-        matches = [o for o in valued if o.startswith(arg)]
+        # A flag spelled out is no prefix (`--replay` of `--replay-child`).
+        matches = [o for o in valued if o.startswith(arg)] if arg not in flags else []
         i += 2 if "=" not in arg and (arg in valued or len(matches) == 1) else 1
     return list(argv), None, []
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from versionwatch._report import Report
+from versionwatch._report import Report, register_renderer
 
 
 def _q(text: str) -> str:
@@ -56,3 +53,6 @@ def report_to_dot(report: Report) -> str:
             edge(ev, tensor, 'label="modified", color=orange')
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+register_renderer("dot", report_to_dot)

@@ -1,12 +1,19 @@
-"""Words: the fix for each kind of hazard, and the text rendering of a report."""
+"""Words: the fix for each kind of hazard, and the text rendering of a report.
+
+It depends on the report, which knows nothing of it: loading this module
+registers the text renderer (and, through ``_dot``, the Graphviz one) that
+``str(report)`` and ``report.to_dot()`` use. ``versionwatch.Report`` and its
+kin are loaded from here for that reason.
+"""
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from versionwatch._report import Hazard, Report
+from versionwatch import _dot  # noqa: F401  (loads and registers the Graphviz renderer)
+from versionwatch._report import Hazard, Modification, Report, Site, register_renderer
+
+__all__ = ["Hazard", "Modification", "Report", "Site", "fix_for", "op_name", "render_report"]
 
 _BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
 
@@ -21,6 +28,16 @@ def op_name(node_or_producer: str) -> str:
 
 def fix_for(h: Hazard) -> str:
     """The concrete fix for one hazard, worded for its case."""
+    if h.kind == "freed" and h.carried_by is not None:
+        state = f"`{h.carried_by}`" if h.carried_by else "the state"
+        detach = (f"`{h.carried_by} = {h.carried_by}.detach()`" if h.carried_by
+                  else "`.detach()` on it")
+        return (
+            f"detach {state} carried from one iteration to the next once its backward has "
+            f"run: {detach} before it feeds the next forward (truncated backpropagation "
+            "through time); retain_graph=True would make every backward run through all "
+            "earlier iterations again, and fail once an optimizer step changed their weights"
+        )
     if h.kind == "freed":
         return (
             "an earlier backward already freed this graph's saved tensors: pass "
@@ -100,6 +117,8 @@ def _write_facts(h: Hazard) -> list[tuple[str, str]]:
         saved += f" in {h.module}"
     if h.saved_during:
         saved += f", during {h.saved_during}"
+    if h.saved_at is not None:
+        saved = _saved_at(h, by=False)
     facts = [("tensor", h.describe_tensor()), ("saved", saved)]
     for m in h.modified_by:
         code = f": {m.site.code}" if m.site and m.site.code else ""
@@ -108,7 +127,43 @@ def _write_facts(h: Hazard) -> list[tuple[str, str]]:
     return facts
 
 
-def _facts(h: Hazard) -> list[tuple[str, str]]:
+def _saved_at(h: Hazard, by: bool = True) -> str:
+    """``Node.slot at file:line: code (in module, during forward #1 called at file:line)``.
+
+    ``by=False``: a write's report, which knows no node yet: ``at file:line: code (...)``.
+    """
+    site = h.saved_at
+    assert site is not None
+    text = (f"{h.where} " if by else "") + f"at {site}" + (f": {site.code}" if site.code else "")
+    context = []
+    if h.module:
+        context.append(f"in {h.module}")
+    if h.saved_during:
+        # The forward's own site is the call, the op's line is above: say which is which.
+        label, sep, where = h.saved_during.rpartition(" at ")
+        context.append(f"during {label} called at {where}" if sep else f"during {where}")
+    if h.saved_version is not None:
+        context.append(f"at version {h.saved_version}")
+    return text + (f" ({', '.join(context)})" if context else "")
+
+
+def _freed_facts(h: Hazard, report: Report) -> list[tuple[str, str]]:
+    facts: list[tuple[str, str]] = []
+    f = h.freed_by
+    if f is not None:
+        text = f"{f.description}" + (f" at {f.site}" if f.site else "")
+        if f.site is not None and f.site == report.backward_site:
+            text += " (this same line, in an earlier iteration)"
+        text += ", which ran without retain_graph=True"
+        facts.append(("freed by", text))
+    if h.carried_by is not None:
+        what = f"`{h.carried_by}`" if h.carried_by else "a tensor from an earlier iteration"
+        facts.append(("carried by", f"{what}: this backward's graph was built after that "
+                                    "backward, and reaches into the freed graph through it"))
+    return facts
+
+
+def _facts(h: Hazard, report: Report | None = None) -> list[tuple[str, str]]:
     if h.detected == "at_write":
         return _write_facts(h)
     facts: list[tuple[str, str]] = []
@@ -121,9 +176,14 @@ def _facts(h: Hazard) -> list[tuple[str, str]]:
         saved += f", at version {h.saved_version}"
     if h.saved_during:
         saved += f", during {h.saved_during}"
-    facts.append(("saved by", saved))
+    if h.saved_at is not None:
+        facts.append(("saved by", _saved_at(h)))
+    else:
+        facts.append(("saved by", saved))
     if h.current_version is not None:
         facts.append(("now at", f"version {h.current_version}"))
+    if h.kind == "freed" and report is not None:
+        facts += _freed_facts(h, report)
     for i, m in enumerate(h.modified_by):
         # Strict mode's writes carry their source line: show the code itself.
         code = f": {m.site.code}" if m.kind == "inplace_op" and m.site and m.site.code else ""
@@ -131,6 +191,21 @@ def _facts(h: Hazard) -> list[tuple[str, str]]:
     for note in h.notes:
         facts.append(("note", note))
     return facts
+
+
+def _also(hazards: list[Hazard]) -> list[tuple[str, int]]:
+    """One line per distinct hazard, with how many times it occurs, in order."""
+    counts: dict[str, int] = {}
+    for other in hazards:
+        what = other.describe_tensor()
+        # A freed slot's tensor is gone: "a tensor" would say nothing.
+        text = f"{other.kind}: {other.where}"
+        if other.kind != "freed" or other.tensor or other.producer:
+            text += f": {what}"
+        if other.saved_version is not None:
+            text += f", saved at version {other.saved_version}, now {other.current_version}"
+        counts[text] = counts.get(text, 0) + 1
+    return list(counts.items())
 
 
 def render_report(report: Report, *, torch_message: bool = True) -> str:
@@ -152,10 +227,12 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
             text += f", {len(report.unverifiable)} not verifiable (behind saved_tensors_hooks)"
         return text
     lines = [_headline(report, h)]
-    facts = _facts(h)
+    facts = _facts(h, report)
     if report.backward_site is not None:
         thread = f" on thread {report.thread}" if report.thread else ""
         facts.append(("backward at", f"{report.backward_site}{thread}"))
+    if report.replay:
+        facts.append(("replay", report.replay))
     facts.append(("fix", h.fix))
     if torch_message and h.torch_message:
         facts.append(("pytorch", h.torch_message))
@@ -163,16 +240,17 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
     lines += [f"  {k:<{width}}  {v}" for k, v in facts]
     if len(report.hazards) > 1:
         lines.append(f"  also ({len(report.hazards) - 1} more):")
-        for other in report.hazards[1:6]:
-            versions = ""
-            if other.saved_version is not None:
-                versions = f", saved at version {other.saved_version}, now {other.current_version}"
-            lines.append(f"    {other.kind}: {other.where}: {other.describe_tensor()}{versions}")
-        if len(report.hazards) > 6:
-            lines.append(f"    ... and {len(report.hazards) - 6} more")
+        others = _also(report.hazards[1:])
+        for text, count in others[:5]:
+            lines.append(f"    {text}" + (f" (x{count})" if count > 1 else ""))
+        if len(others) > 5:
+            lines.append(f"    ... and {sum(c for _, c in others[5:])} more")
     if report.unverifiable:
         lines.append(
             f"  note: {len(report.unverifiable)} saved tensors are behind saved_tensors_hooks "
             "and were not verified"
         )
     return "\n".join(lines)
+
+
+register_renderer("text", render_report)

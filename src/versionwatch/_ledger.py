@@ -34,6 +34,8 @@ class Event:
     # Sequence numbers are counted per thread: only ``thread``'s compare.
     seq: int | None = None
     thread: int = field(default_factory=threading.get_ident)
+    module: str | None = None  # a forward's root module, by its watched name
+    frees: bool = False  # a backward without retain_graph: it frees the graph it runs
 
 
 class Transition(NamedTuple):
@@ -168,6 +170,8 @@ class Ledger:
         cause: Modification | None = None,
         notes: dict[int, str] | None = None,
         seq: int | None = None,
+        module: str | None = None,
+        frees: bool = False,
     ) -> Event:
         """Add an event; changes since the last one go to ``cause`` or to the interval.
 
@@ -188,7 +192,7 @@ class Ledger:
             # "end of backward #2", placed at the line that started it
             start = next((e for e in reversed(self.events) if e.label == label), None)
             label, site = f"end of {label}", site or (start.site if start else None)
-        event = Event(self.count, kind, label, site, seq)
+        event = Event(self.count, kind, label, site, seq, module=module, frees=frees)
         versions = self._scan(cause, label, site, notes)
         if cause is None:
             # A change made before this event, not by it, gets its own row, so
@@ -259,7 +263,10 @@ class Ledger:
             return Modification("between_events", f"before {upcoming}", site)
         where = f" ({prev.site})" if prev.site else ""
         here = f" ({site})" if site else ""
-        return Modification("between_events", f"between {prev.label}{where} and {upcoming}{here}",
+        # Not a watched forward, backward or step: code of the user's own
+        # (a no_grad update, a clip, a weight merge) or an unwatched library.
+        return Modification("between_events",
+                            f"in user code between {prev.label}{where} and {upcoming}{here}",
                             bounds=((prev.label, prev.site), (upcoming, site)))
 
     @_locked
@@ -310,6 +317,54 @@ class Ledger:
                            and (left is None or ev.index < left)), None)
         if chosen is not None:
             h.saved_during = chosen.label + (f" at {chosen.site}" if chosen.site else "")
+
+    @_locked
+    def place_forward(self, h: Hazard) -> bool:
+        """Name the forward (and its module) that made ``h``'s saving node, by sequence number.
+
+        A forward's events hold the autograd clock at its start and end: a node
+        numbered between them was made inside it. Clocks count per thread, so
+        only this thread's forwards compare (the backward's thread stands in
+        for the forward's, as in :meth:`blame`); the innermost range wins.
+        """
+        seq = h.seq
+        if seq is None:
+            return False
+        me = threading.get_ident()
+        starts: dict[str, Event] = {}
+        best: tuple[int, Event] | None = None
+        for ev in self.events:
+            if ev.thread != me or ev.seq is None:
+                continue
+            if ev.kind == "forward":
+                starts[ev.label] = ev
+            elif ev.kind == "forward_end":
+                start = starts.pop(ev.label[len("end of "):], None)
+                if start is not None and start.seq is not None \
+                        and start.seq < seq < ev.seq \
+                        and (best is None or ev.seq - start.seq < best[0]):
+                    best = (ev.seq - start.seq, start)
+        if best is None:
+            return False
+        start = best[1]
+        if h.module is None:
+            h.module = start.module
+        if h.saved_during is None:
+            h.saved_during = start.label + (f" at {start.site}" if start.site else "")
+        return True
+
+    @_locked
+    def freer(self, seq: int) -> Event | None:
+        """The first freeing backward on this thread that began after node ``seq`` was made.
+
+        The last backward recorded is the one being predicted: never its own freer.
+        """
+        me = threading.get_ident()
+        backwards = [ev for ev in self.events if ev.kind == "backward"]
+        for ev in backwards[:-1]:
+            if ev.frees and ev.thread == me and ev.seq is not None and ev.seq > seq:
+                return ev
+        return None
 
     @_locked
     def table(self, keys: list[int]) -> list[tuple[Event, list[int | None]]]:

@@ -1,18 +1,40 @@
-"""The prediction's result: :class:`Hazard`, :class:`Report`, and their rendering.
+"""The prediction's result: :class:`Hazard` and :class:`Report`, as plain data.
 
 A report holds plain data only (names, shapes, versions, strings): never a
 tensor or an autograd node, so keeping one (or the exception that carries it)
 keeps no graph alive.
+
+Rendering depends on the report, never the other way round: the renderers
+(``_explain`` for text, ``_dot`` for Graphviz) import this module and register
+themselves in :data:`RENDERERS` when they load, and ``str(report)`` and
+``report.to_dot()`` look them up there. Every path that hands out a report
+(the predictor, the watcher, ``versionwatch.Report`` itself) loads them first.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 HazardKind = Literal["inplace", "freed", "silent"]
 SCHEMA = "versionwatch.report/1"
+
+# "text" and "dot" -> the function that renders a report so; filled by the renderers.
+RENDERERS: dict[str, Callable[[Report], str]] = {}
+
+
+def register_renderer(kind: str, render: Callable[[Report], str]) -> None:
+    """Make ``render`` the way reports render as ``kind`` (``"text"`` or ``"dot"``)."""
+    RENDERERS[kind] = render
+
+
+def _render(report: Report, kind: str) -> str:
+    render = RENDERERS.get(kind)
+    if render is None:
+        raise RuntimeError(
+            f"versionwatch: no {kind} renderer is loaded; import versionwatch._explain first")
+    return render(report)
 
 
 @dataclass(frozen=True)
@@ -52,6 +74,10 @@ class Modification:
         return text
 
 
+def _site(site: Site | None) -> dict[str, Any] | None:
+    return None if site is None else {"file": site.file, "line": site.line, "code": site.code}
+
+
 def _event(bound: tuple[str, Site | None]) -> dict[str, Any]:
     label, site = bound
     return {"event": label, "file": site.file if site else None,
@@ -81,6 +107,15 @@ class Hazard:
         order: position of ``node`` in the backward's execution order (0 first).
         module: qualified name of the module whose forward saved it, when a
             watcher knows it.
+        saved_during: the forward that saved it and where it was called, when
+            a watcher knows it (``"m.forward #1 at train.py:12"``).
+        saved_at: the user's line of the op that saved it (strict mode).
+        freed_by: for ``freed``, the earlier backward that freed the graph, when
+            a watcher saw it.
+        carried_by: for ``freed``, when this backward's graph was built after
+            that backward and reaches into the freed one: the variable that
+            carried the old graph in (``"h"``), or ``""`` when no variable
+            shows it.
         modified_by: the events that moved the version, when a watcher knows them.
         notes: further facts a watcher knows (e.g. why a step updated the tensor).
         path: node names from the backward's root down to ``node``.
@@ -109,6 +144,9 @@ class Hazard:
     order: int = 0
     module: str | None = None
     saved_during: str | None = None
+    saved_at: Site | None = None
+    freed_by: Modification | None = None
+    carried_by: str | None = None
     modified_by: list[Modification] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     path: list[str] = field(default_factory=list)
@@ -145,6 +183,11 @@ class Hazard:
         d["tensor"] = self.tensor or self.describe_tensor()
         d["shape"] = list(self.shape) if self.shape is not None else None
         d["saved_by"] = self.node
+        d["saved_at"] = _site(self.saved_at)
+        f = self.freed_by
+        d["freed_by"] = None if f is None else {
+            "description": f.description, "file": f.site.file if f.site else None,
+            "line": f.site.line if f.site else None}
         del d["node"], d["key"], d["seq"]
         d["modified_by"] = [
             {
@@ -178,6 +221,10 @@ class Report:
         backward_site: the user's backward call, when a watcher knows it.
         thread: the name of the thread that called it, once several threads
             have run watched events.
+        backward: the backward's number in its watcher (``backward #2``), when
+            a watcher ran it.
+        replay: what ``versionwatch run --replay`` found when it re-ran the
+            program in strict mode to fill in the lines, if it did.
 
     Example:
         >>> import torch, versionwatch
@@ -196,6 +243,8 @@ class Report:
     backward_site: Site | None = None
     timeline: Any = None
     thread: str | None = None
+    backward: int | None = None
+    replay: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -208,9 +257,7 @@ class Report:
         return self.hazards[0] if self.hazards else None
 
     def __str__(self) -> str:
-        from versionwatch._explain import render_report
-
-        return render_report(self)
+        return _render(self, "text")
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data, schema ``versionwatch.report/1``."""
@@ -218,6 +265,8 @@ class Report:
         hazards = []
         for h in self.hazards:
             d = h.to_dict()
+            d["backward"] = self.backward
+            d["replay"] = self.replay
             d["backward_site"] = {"file": site.file, "line": site.line} if site else None
             if site and self.thread:
                 d["backward_site"]["thread"] = self.thread
@@ -239,9 +288,7 @@ class Report:
         The saving node is red; the tensor box shows its name and both versions;
         the events that modified it point at it.
         """
-        from versionwatch._dot import report_to_dot
-
-        return report_to_dot(self)
+        return _render(self, "dot")
 
     def _repr_html_(self) -> str:
         import html

@@ -66,7 +66,12 @@ def user_site(skip: int = 2) -> Site | None:
     frame, _ = user_frame(skip)
     if frame is None:
         return None
-    key = (frame.f_code.co_filename, frame.f_lineno)
+    return site_at(frame.f_code.co_filename, frame.f_lineno)
+
+
+def site_at(filename: str, line: int) -> Site:
+    """The :class:`Site` of ``filename:line``, with its source line (cached)."""
+    key = (filename, line)
     cwd = os.getcwd()
     if cwd != _SITES_CWD[0] or len(_SITES) > 4096:
         _SITES.clear()  # relative paths depend on the working directory

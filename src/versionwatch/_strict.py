@@ -34,7 +34,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, Literal
 
 import torch
@@ -45,7 +45,7 @@ from versionwatch._compat import PEEK as _PEEK
 from versionwatch._compat import HookedSaved, allow_in_peek, peek, storage_address
 from versionwatch._explain import _BACKWARD_SUFFIX
 from versionwatch._report import Hazard, Modification
-from versionwatch._sites import user_site
+from versionwatch._sites import _is_library, is_library, site_at, user_site
 from versionwatch._torchtext import strict_message
 
 # In-place methods that change metadata only, never memory.
@@ -75,10 +75,11 @@ class SavedRecord:
     what is cheap; ``writes`` stays an empty tuple until a write hits it.
     """
 
-    __slots__ = ("__weakref__", "_silent", "before", "forward", "ids", "module", "original",
-                 "requires_grad", "tensor", "version", "writes")
+    __slots__ = ("__weakref__", "_silent", "before", "code", "forward", "ids", "line", "module",
+                 "original", "requires_grad", "tensor", "version", "writes")
 
-    def __init__(self, t: torch.Tensor, module: str | None, forward: str | None) -> None:
+    def __init__(self, t: torch.Tensor, module: str | None, forward: str | None,
+                 code: CodeType | None = None, line: int = 0) -> None:
         # A leaf is kept as is, so that `p.data = t` reaches backward as it does
         # unwatched; anything else as a detached alias (same storage and version
         # counter): a saved output kept with its grad_fn would form a cycle.
@@ -99,6 +100,10 @@ class SavedRecord:
         self.ids = (id(t), None if base is None else id(base))
         self.module = module
         self.forward = forward
+        # The user's line of the op that saved it: a code object and a number,
+        # made into a Site only when a report needs it.
+        self.code = code
+        self.line = line
         self.writes: tuple[()] | list[Modification] = ()
         self._silent = False  # and only then ``before``: the bytes a first silent write found
 
@@ -143,6 +148,8 @@ class SavedRecord:
                       requires_grad=self.requires_grad, saved_output=output, module=self.module,
                       producer=_BACKWARD_SUFFIX.sub("", node) if output else None,
                       saved_during=self.forward,
+                      saved_at=(site_at(self.code.co_filename, self.line)
+                                if self.code is not None else None),
                       modified_by=list(self.writes if modified_by is None else modified_by),
                       detected=detected)
 
@@ -241,7 +248,25 @@ def _in_step() -> bool:
 def pack(t: torch.Tensor) -> SavedRecord:
     local = _LOCAL
     stack = local.modules
-    rec = SavedRecord(t, stack[-1] if stack else None, local.forward)
+    # The user's frame running the op that saves ``t``: the first one up the
+    # stack outside torch and versionwatch (our hook stack, nn.Module's call,
+    # F.linear). A few frames, one cached dict lookup each; no frame is kept.
+    # f_back, not _getframe(1): a backward's engine thread may call pack with
+    # no Python frame above it.
+    frame: FrameType | None = sys._getframe().f_back
+    library = _is_library
+    while frame is not None:
+        code = frame.f_code
+        hit = library.get(code.co_filename)
+        if hit is None:
+            hit = is_library(code.co_filename)
+        if not hit:
+            break
+        frame = frame.f_back
+    if frame is not None:
+        rec = SavedRecord(t, stack[-1] if stack else None, local.forward, code, frame.f_lineno)
+    else:
+        rec = SavedRecord(t, stack[-1] if stack else None, local.forward)
     key = _storage_key(t)
     if key and STATE.owners:  # none: a hook left on a thread by a close from another
         registry = STATE.registry

@@ -220,6 +220,49 @@ def _variable_name(module: nn.Module, skip: int) -> str:
     return type(module).__name__
 
 
+# Default mode sees events, not ops: a write to an activation (or any tensor
+# it does not track) between two events has no line it could name.
+_UNSEEN_WRITE = (
+    "default mode sees forwards, backwards, steps and zero_grad, not the write itself: "
+    "`versionwatch run --replay ...` (or --strict, or watch(..., strict=True)) names its line"
+)
+
+
+class ReplayStop(BaseException):
+    """A replay reached the backward it was to stop at (``versionwatch run --replay``).
+
+    A ``BaseException``: the program's own ``except Exception`` must let it through.
+    """
+
+    def __init__(self, report: Report | None) -> None:
+        super().__init__("versionwatch: replay stopped")
+        self.report = report
+
+
+def _carrier(frame: Any, node: str, seq: int) -> str | None:
+    """The user's variable that holds the output of node ``node`` #``seq``, or a newer one.
+
+    Exact first (the old tensor itself); else a variable rebound to a newer
+    output of the same op, as recurrent state is (``h = rnn(x, h)``).
+    """
+    if frame is None:
+        return None
+    newer = None
+    for scope in (frame.f_locals, frame.f_globals):
+        for name, value in list(scope.items()):
+            if name.startswith("_") or not isinstance(value, torch.Tensor):
+                continue
+            fn = value.grad_fn
+            if fn is None or fn.name() != node:
+                continue
+            nr = int(fn._sequence_nr())
+            if nr == seq:
+                return str(name)
+            if nr > seq and newer is None:
+                newer = str(name)
+    return newer
+
+
 def _match_ledger(h: Hazard, scope: list[Watcher]) -> None:
     """Name a stale tensor that the predictor could not read (old torch), by its history.
 
@@ -283,6 +326,8 @@ class Watcher:
     """
 
     _kept_grads = False  # set once a zero_grad(set_to_none=False) left grad marks
+    # `versionwatch run --replay`'s strict re-run: the backward number to stop at.
+    _replay_at: int | None = None
     _stepped_aside = False  # set once a torch.func transform ran unwatched
 
     def __init__(
@@ -439,7 +484,8 @@ class Watcher:
                 n = self._forwards[root]
             # Only a forward under grad mode creates nodes to tell apart.
             seq = _seq_clock() if torch.is_grad_enabled() else None
-            event = self.ledger.record("forward", self._label(root, n), user_site(3), seq=seq)
+            event = self.ledger.record("forward", self._label(root, n), user_site(3), seq=seq,
+                                      module=root)
             if self.strict:
                 _strict._LOCAL.forward = (
                     f"{event.label} at {event.site}" if event.site else event.label)
@@ -447,9 +493,12 @@ class Watcher:
             label = self._label(root, self._forwards[root])
             if self.strict:
                 _strict._LOCAL.forward = None
+            # The clock at the end too: nodes numbered between the two were made
+            # by this forward, activations included (ledger.place_forward).
+            seq = _seq_clock() if torch.is_grad_enabled() else None
             self.ledger.record(
                 "forward_end", label, None,
-                cause=Modification("module_forward", f"during {label} of {root}"),
+                cause=Modification("module_forward", f"during {label} of {root}"), seq=seq,
             )
 
     def _on_zero_grad(self, opt: Optimizer, set_to_none: bool) -> None:
@@ -555,7 +604,11 @@ class Watcher:
         with _LOCK:  # threads number their backwards from one counter
             self._backwards += 1
             n = self._backwards
-        self.ledger.record("backward", f"backward #{n}", site)
+        frees = _inflight.frees(api, arguments)
+        # A freeing backward keeps the clock at its start: a graph it may have
+        # freed is older, and one built since is newer (see _explain_freed).
+        self.ledger.record("backward", f"backward #{n}", site,
+                           seq=_seq_clock() if frees else None, frees=frees)
         _LOCAL.busy = True
         ended = False
         scope = self._scope()
@@ -567,7 +620,7 @@ class Watcher:
                 silent.update(w._silent)
         if silent:
             silent = self._this_thread(silent, scope)
-        flight = _inflight.Flight(self, f"backward #{n}", site, _inflight.frees(api, arguments))
+        flight = _inflight.Flight(self, f"backward #{n}", site, frees)
         try:
             try:
                 with gated(lambda nodes: _inflight.depart(flight, nodes)):
@@ -580,12 +633,19 @@ class Watcher:
                 report = None  # PyTorch rejects the arguments before any saved tensor: its error
             if report is not None:
                 report.backward_site = site
+                report.backward = n
                 if self.ledger.threaded:
                     report.thread = threading.current_thread().name
                 if flight.freed_by:
                     _inflight.name_freer(report, flight)
                 if not report.ok:
-                    self._explain(report, scope)._dispatch(report)
+                    if report.hazards[0].kind == "freed":
+                        self._explain_freed(report, outputs, scope)
+                    self._explain(report, scope)
+                if n == self._replay_at:
+                    raise ReplayStop(report)
+                if not report.ok:
+                    self._dispatch(report)
             try:
                 return call()
             except RuntimeError as e:
@@ -660,11 +720,50 @@ class Watcher:
                     f"strict mode records saved tensors on thread {elsewhere} only (saved-tensor "
                     f"hooks are per thread); this backward runs on thread {here}, and a forward "
                     "there is checked as in the default mode, without write lines")
+            if h.seq is not None and (h.module is None or h.saved_during is None):
+                for w in scope:
+                    if w.ledger.place_forward(h):
+                        break
+            if not self.strict and h.kind == "inplace" and all(
+                    m.kind == "between_events" for m in h.modified_by):
+                h.notes.append(_UNSEEN_WRITE)
             h.fix = fix_for(h)
         owner = tracker(report.hazards[0].key if report.hazards else None)
         report.timeline = owner.timeline(report=report)
         owner.reports.append(report)
         return owner
+
+    @staticmethod
+    def _explain_freed(report: Report, outputs: Any, scope: list[Watcher]) -> None:
+        """Name the backward that freed each graph, and what carried it into this one.
+
+        The freer is the first freeing backward since the node was made. When
+        this backward's own graph was built after that one (its root is newer),
+        it is a new graph that reaches into the freed one: a tensor from an
+        earlier iteration carried it in. The user's frame usually still holds
+        that tensor's variable: bound to it (its node is the freed one), or,
+        for state carried across iterations (``h = rnn(x, h)``), rebound to
+        this iteration's value, made by the same op.
+        """
+        roots = [t for t in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        root_seq = max((int(fn._sequence_nr()) for t in roots if (fn := t.grad_fn) is not None),
+                       default=None)
+        frame, _ = user_frame(1)
+        carrier: str | None = None  # found from the first freed node met: the boundary
+        for h in report.hazards:
+            if h.kind != "freed" or h.seq is None:
+                continue
+            freer = next((ev for w in scope if (ev := w.ledger.freer(h.seq)) is not None), None)
+            if freer is None:
+                continue
+            h.freed_by = Modification(
+                "backward", freer.label, freer.site)
+            if root_seq is None or freer.seq is None or root_seq < freer.seq:
+                continue  # the same graph, run a second time
+            if carrier is None:
+                carrier = _carrier(frame, h.node, h.seq) or ""
+            h.carried_by = carrier
 
     def _dispatch(self, report: Report) -> None:
         __tracebackhide__ = True

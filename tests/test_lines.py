@@ -1,0 +1,228 @@
+"""Explanations point at the right lines (issue #14): the op that saved the tensor,
+the write, the backward that freed a graph; in strict mode, default mode, and
+default mode with ``--replay``; in the text report and in the JSON.
+
+The programs run through the CLI's ``main`` in this process (fast); ``--replay``'s
+strict re-run is a child process, as it is for users.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from versionwatch._cli import main
+
+ACT = textwrap.dedent("""\
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x).sigmoid()
+            s = h * 2
+            h.mul_(2)
+            return s.sum()
+
+    torch.manual_seed(0)
+    m = Net()
+    loss = m(torch.randn(2, 4))
+    loss.backward()
+""")
+
+SAM = textwrap.dedent("""\
+    import torch
+    from torch import nn
+
+    class SAM(torch.optim.SGD):
+        @torch.no_grad()
+        def first_step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad * 0.05)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = SAM(model.parameters(), lr=0.1)
+    out = model(torch.randn(8, 4))
+    out.pow(2).mean().backward(retain_graph=True)
+    opt.first_step()
+    out.abs().mean().backward()
+""")
+
+RNN = textwrap.dedent("""\
+    import torch
+    from torch import nn
+
+    rnn = nn.RNNCell(4, 4)
+    opt = torch.optim.SGD(rnn.parameters(), lr=0.1)
+    h = torch.zeros(1, 4)
+    for step in range(3):
+        x = torch.randn(1, 4)
+        h = rnn(x, h)
+        loss = h.pow(2).sum()
+        loss.backward()
+        opt.zero_grad()
+""")
+
+TWICE = textwrap.dedent("""\
+    import torch
+
+    m = torch.nn.Linear(3, 1)
+    loss = m(torch.randn(2, 3)).sigmoid().sum()
+    loss.backward()
+    loss.backward()
+""")
+
+# Not deterministic: the replay (the second run) finds the marker and writes nothing.
+FLAKY = textwrap.dedent("""\
+    import os
+    import torch
+
+    first = not os.path.exists("marker")
+    open("marker", "w").close()
+    model = torch.nn.Linear(3, 1)
+    out = model(torch.randn(2, 3)).sigmoid()
+    if first:
+        out.mul_(2)
+    out.sum().backward()
+""")
+
+
+def line(src: str, text: str, nth: int = 1) -> int:
+    return [i for i, s in enumerate(src.splitlines(), 1) if text in s][nth - 1]
+
+
+def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        src: str, *options: str) -> tuple[int, str, dict[str, Any]]:
+    """``versionwatch run OPTIONS --json out.json prog.py``: exit status, stderr, first hazard."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prog.py").write_text(src)
+    status = main(["run", *options, "--json", "out.json", "prog.py"])
+    err = capsys.readouterr().err
+    doc = json.loads((tmp_path / "out.json").read_text())
+    return status, err, doc["hazards"][0]
+
+
+def at(file: str, n: int, code: str | None = None) -> dict[str, Any]:
+    d: dict[str, Any] = {"file": file, "line": n}
+    if code is not None:
+        d["code"] = code
+    return d
+
+
+def test_strict_names_the_op_line_that_saved_an_activation(tmp_path, monkeypatch, capsys):
+    status, err, h = run(tmp_path, monkeypatch, capsys, ACT, "--strict")
+    assert status == 1
+    saved, call, write = line(ACT, ".sigmoid()"), line(ACT, "loss = m("), line(ACT, "h.mul_(2)")
+    assert (f"saved by     SigmoidBackward0.result at prog.py:{saved}: h = self.fc(x).sigmoid() "
+            f"(in m, during m.forward #1 called at prog.py:{call}, at version 0)") in err
+    assert f"modified by  mul_() at prog.py:{write}: h.mul_(2)" in err
+    assert h["saved_at"] == at("prog.py", saved, "h = self.fc(x).sigmoid()")
+    assert [(m["file"], m["line"]) for m in h["modified_by"]] == [("prog.py", write)]
+
+
+def test_default_mode_names_module_and_forward_and_points_at_replay(tmp_path, monkeypatch,
+                                                                    capsys):
+    status, err, h = run(tmp_path, monkeypatch, capsys, ACT)
+    assert status == 1
+    call = line(ACT, "loss = m(")
+    assert f"saved by     SigmoidBackward0.result in m, at version 0, during m.forward #1 " \
+           f"at prog.py:{call}" in err
+    assert "`versionwatch run --replay ...`" in err and "names its line" in err
+    assert (h["module"], h["saved_during"]) == ("m", f"m.forward #1 at prog.py:{call}")
+    assert h["saved_at"] is None and h["modified_by"] == []
+    assert any("--replay" in note for note in h["notes"])
+
+
+def test_replay_fills_in_the_op_line_and_the_write(tmp_path, monkeypatch, capsys):
+    status, err, h = run(tmp_path, monkeypatch, capsys, ACT, "--replay")
+    assert status == 1
+    saved, write = line(ACT, ".sigmoid()"), line(ACT, "h.mul_(2)")
+    report = err.split("versionwatch: --replay: running the same command again")[1]
+    assert f"SigmoidBackward0.result at prog.py:{saved}: h = self.fc(x).sigmoid()" in report
+    assert f"modified by  mul_() at prog.py:{write}: h.mul_(2)" in report
+    assert "same hazard at backward #1" in report
+    assert h["saved_at"] == at("prog.py", saved, "h = self.fc(x).sigmoid()")
+    assert [(m["kind"], m["file"], m["line"]) for m in h["modified_by"]] == [
+        ("inplace_op", "prog.py", write)]
+    assert h["backward"] == 1 and "same hazard at backward #1" in h["replay"]
+    assert not any("--replay" in note for note in h["notes"])
+
+
+def test_no_grad_write_in_an_optimizer_is_bounded_then_replayed(tmp_path, monkeypatch,
+                                                                 capsys):
+    first, perturb = line(SAM, "backward(retain_graph=True)"), line(SAM, "p.add_(")
+    second = line(SAM, "out.abs().mean().backward()")
+    status, err, h = run(tmp_path, monkeypatch, capsys, SAM)
+    assert status == 1
+    bounded = (f"in user code between end of backward #1 (prog.py:{first}) "
+               f"and backward #2 (prog.py:{second})")
+    assert f"modified by  {bounded} (version 1 -> 2)" in err
+    (m,) = h["modified_by"]
+    assert m["after"] == {"event": "end of backward #1", "file": "prog.py", "line": first}
+    assert m["before"] == {"event": "backward #2", "file": "prog.py", "line": second}
+
+    status, err, h = run(tmp_path, monkeypatch, capsys, SAM, "--replay")
+    assert status == 1
+    assert f"modified by  add_() at prog.py:{perturb} (version 1 -> 2): " \
+           "p.add_(p.grad * 0.05)" in err
+    assert h["modified_by"] == [{"kind": "inplace_op", "description": "add_()", "file": "prog.py",
+                                 "line": perturb, "versions": [1, 2]}]
+    assert h["tensor"] == "model.2.weight" and h["module"] == "model.2"
+
+
+@pytest.mark.parametrize("mode", [(), ("--strict",)])
+def test_recurrent_state_names_the_freeing_backward_and_h(tmp_path, monkeypatch, capsys, mode):
+    status, err, h = run(tmp_path, monkeypatch, capsys, RNN, *mode)
+    assert status == 1
+    back, fwd = line(RNN, "loss.backward()"), line(RNN, "h = rnn(x, h)")
+    assert (f"freed by     backward #1 at prog.py:{back} (this same line, in an earlier "
+            "iteration), which ran without retain_graph=True") in err
+    assert "carried by   `h`" in err
+    assert "`h = h.detach()`" in err and "pass retain_graph=True" not in err
+    assert "freed: AddmmBackward0.mat1 (x2)" in err and "a tensor" not in err
+    assert h["freed_by"] == {"description": "backward #1", "file": "prog.py", "line": back}
+    assert h["carried_by"] == "h" and h["backward"] == 2
+    assert h["saved_during"] == f"rnn.forward #1 at prog.py:{fwd}"
+
+
+def test_second_backward_on_one_graph_keeps_retain_graph(tmp_path, monkeypatch, capsys):
+    status, err, h = run(tmp_path, monkeypatch, capsys, TWICE)
+    assert status == 1
+    first = line(TWICE, "loss.backward()")
+    assert f"freed by     backward #1 at prog.py:{first}, which ran without " in err
+    assert "pass retain_graph=True" in err and "carried by" not in err
+    assert h["carried_by"] is None
+    assert h["freed_by"] == {"description": "backward #1", "file": "prog.py", "line": first}
+
+
+def test_replay_says_when_the_program_is_not_deterministic(tmp_path, monkeypatch, capsys):
+    status, err, h = run(tmp_path, monkeypatch, capsys, FLAKY, "--replay")
+    assert status == 1
+    assert "--replay: not reproduced: the strict replay of the same command found no " \
+           "hazard at backward #1" in err
+    assert h["replay"].startswith("not reproduced") and h["saved_at"] is None
+
+
+def test_replay_refuses_torchrun_and_strict(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prog.py").write_text("open('ran', 'w').close()\n")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["run", "--replay", "prog.py"]) == 2
+    assert "--replay does not support distributed runs yet (WORLD_SIZE=4)" in \
+        capsys.readouterr().err
+    monkeypatch.delenv("WORLD_SIZE")
+    assert main(["run", "--replay", "--strict", "prog.py"]) == 2
+    assert "with --strict or --stop-at-write the lines are there already" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "ran").exists()
