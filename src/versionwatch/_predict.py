@@ -36,6 +36,7 @@ from versionwatch._compat import (
     peek,
     zero_grads,
 )
+from versionwatch._distributed import rank
 from versionwatch._errors import FreedGraphError, InplaceModificationError
 from versionwatch._explain import _BACKWARD_SUFFIX, fix_for
 from versionwatch._graph import Graph, lease
@@ -945,6 +946,7 @@ def _predict(
             saved_checked=checker.checked,
         )
         if checker.hazards:
+            report.rank = rank()
             position = _execution_order(graph, executed)
             checker.hazards.sort(key=lambda e: (position[e[0]], e[1]))
             parents = _parents(graph)

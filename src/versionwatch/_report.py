@@ -178,6 +178,9 @@ class Report:
         backward_site: the user's backward call, when a watcher knows it.
         thread: the name of the thread that called it, once several threads
             have run watched events.
+        rank: ``(rank, world_size)`` of the process that made a report with
+            hazards, under ``torch.distributed`` (a process group, or torchrun's
+            ``RANK``), else None.
 
     Example:
         >>> import torch, versionwatch
@@ -196,6 +199,7 @@ class Report:
     backward_site: Site | None = None
     timeline: Any = None
     thread: str | None = None
+    rank: tuple[int, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -223,7 +227,7 @@ class Report:
                 d["backward_site"]["thread"] = self.thread
             hazards.append(d)
         timeline = self.timeline.to_dict() if self.timeline is not None else {}
-        return {
+        out: dict[str, Any] = {
             "schema": SCHEMA,
             "ok": self.ok,
             "hazards": hazards,
@@ -232,6 +236,9 @@ class Report:
             "saved_checked": self.saved_checked,
             "timeline": timeline,
         }
+        if self.rank is not None:
+            out["rank"], out["world_size"] = self.rank
+        return out
 
     def to_dot(self) -> str:
         """Graphviz DOT: the path from the backward's root to each stale saved tensor.
