@@ -218,6 +218,8 @@ class _Checker:
             if plan is _COPY_SLICES:
                 self._copy_slices(i, fn)
                 continue
+            if type(fn).__name__ == "CheckpointFunctionBackward":
+                self.unverifiable.append((fn.name(), "recomputed forward"))
             for slot, raw_attr, saved_attr in plan:
                 self._peek_slot(i, fn, slot, raw_attr, saved_attr)
 
@@ -413,6 +415,10 @@ class _Checker:
             self._error(i, fn, where, raws[at] if at is not None else None, e)
 
     def _custom(self, i: int, fn: Any) -> None:
+        if fn.name() == "CheckpointFunctionBackward":
+            # A reentrant checkpoint's backward reruns its forward and a backward
+            # of its own, which no walk of this graph can see: count it.
+            self.unverifiable.append((fn.name(), "recomputed forward"))
         try:
             raws = fn._raw_saved_tensors
         except RuntimeError as e:

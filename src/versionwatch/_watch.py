@@ -34,7 +34,7 @@ from versionwatch._errors import InplaceHazardWarning
 from versionwatch._explain import fix_for, render_report
 from versionwatch._functorch import in_functorch_transform
 from versionwatch._ledger import Ledger, Tracked
-from versionwatch._naming import module_tensors
+from versionwatch._naming import has_fsdp, module_tensors
 from versionwatch._predict import _VERSION_RE, gated, predict, raise_for
 from versionwatch._report import Hazard, Modification, Report, Site
 from versionwatch._sites import user_frame, user_site
@@ -305,6 +305,8 @@ class Watcher:
         self._forwards: dict[str, int] = {}
         # Route name of a DDP root's inner module -> the DDP root's name.
         self._synced: dict[str, str] = {}
+        # FSDP2 roots: their unsharded parameters appear at the first forward.
+        self._sharded: set[str] = set()
         self._handles: list[RemovableHandle | _forward.Handle] = []
         self._optimizers: dict[int, _OptimizerState] = {}
         self._silent: dict[int, int] = {}
@@ -362,6 +364,8 @@ class Watcher:
                 self._names[key] = qual
                 self.ledger.track(qual, t)
         self._handles.append(_forward.add_root(module, self, name))
+        if has_fsdp(module):
+            self._sharded.add(name)
         inner = _distributed.buffer_synced_inner(module)
         if inner is not None:
             # What DDP writes between its forward's start and the wrapped module's
@@ -369,6 +373,17 @@ class Watcher:
             route = f"{name}\x00sync"
             self._synced[route] = name
             self._handles.append(_forward.add_root(inner, self, route))
+
+    def _track_unsharded(self, root: str) -> None:
+        # The tensors an FSDP2 forward saved are its unsharded parameters: named
+        # as the parameters they stand for, and tracked from their first forward.
+        module = self._roots[root]()
+        if module is None:
+            return
+        for key, (qual, t) in module_tensors(module, root + ".").items():
+            if key not in self._names:
+                self._names[key] = qual
+                self.ledger.track(qual, t)
 
     def _label(self, root: str, n: int) -> str:
         return f"forward #{n}" if len(self._roots) == 1 else f"{root}.forward #{n}"
@@ -464,6 +479,8 @@ class Watcher:
             label = self._label(root, self._forwards[root])
             if self.strict:
                 _strict._LOCAL.forward = None
+            if self._sharded and root in self._sharded:
+                self._track_unsharded(root)
             self.ledger.record(
                 "forward_end", label, None,
                 cause=Modification("module_forward", f"during {label} of {root}"),
