@@ -65,25 +65,30 @@ def ddp_worker(rank: int, port: int, out: str) -> None:
     results: dict[str, Any] = {}
     try:
         for strict in (False, True):
-            # Two forwards (fake, then real) before one backward, buffers broadcast.
-            torch.manual_seed(0)
-            ddp = nn.parallel.DistributedDataParallel(_disc())
-            mean = ddp.module[1].running_mean
-            versions: list[int] = []
+            # Two forwards (fake, then real) before one backward, buffers broadcast;
+            # a fresh DDP for each run (a failed backward leaves its reducer waiting).
+            runs: dict[str, Any] = {}
+            for watched in (False, True):
+                torch.manual_seed(0)
+                ddp = nn.parallel.DistributedDataParallel(_disc())
+                mean = ddp.module[1].running_mean
+                versions: list[int] = []
 
-            def two_forwards(ddp: nn.Module = ddp, mean: torch.Tensor = mean,
-                             versions: list[int] = versions) -> None:
-                versions.append(mean._version)
-                fake = ddp(torch.randn(16, 4))
-                versions.append(mean._version)
-                real = ddp(torch.randn(16, 4))
-                versions.append(mean._version)
-                (real.mean() - fake.mean()).backward()
+                def two_forwards(ddp: nn.Module = ddp, mean: torch.Tensor = mean,
+                                 versions: list[int] = versions) -> None:
+                    versions.append(mean._version)
+                    fake = ddp(torch.randn(16, 4))
+                    versions.append(mean._version)
+                    real = ddp(torch.randn(16, 4))
+                    versions.append(mean._version)
+                    (real.mean() - fake.mean()).backward()
 
-            plain = _outcome(two_forwards)
-            res = _watched(ddp, two_forwards, strict)
-            res["plain"], res["versions"] = plain, versions
-            results[f"broadcast_{'strict' if strict else 'default'}"] = res
+                if watched:
+                    runs.update(_watched(ddp, two_forwards, strict))
+                else:
+                    runs["plain"] = _outcome(two_forwards)
+                    runs["plain_versions"] = versions
+            results[f"broadcast_{'strict' if strict else 'default'}"] = runs
 
         # What NCCL does on GPUs: the broadcast bumps the buffers' versions.
         torch.manual_seed(0)

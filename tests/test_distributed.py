@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dist_workers
-from versionwatch._compat import fully_shard_fn
+from versionwatch._compat import fsdp2_runs_on_cpu, fully_shard_fn
 from versionwatch._ranks import MergeError, merge, rank_path, render_merged
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,18 +58,24 @@ def test_ddp_buffer_broadcast(tmp_path: Path) -> None:
     for rank, res in enumerate(_spawn(dist_workers.ddp_worker, tmp_path)):
         for mode in ("default", "strict"):
             r = res[f"broadcast_{mode}"]
-            # On CPU/gloo the broadcast bumps no version and PyTorch raises nothing.
-            assert r["plain"] is None and r["real"] is None, (rank, mode, r)
-            assert not r["predicted"], (rank, mode, r["text"])
-            assert len(set(r["versions"])) == 1, r["versions"]
+            assert r["real"] == r["plain"], (rank, mode, r)
+            assert r["predicted"] == (r["real"] is not None), (rank, mode, r)
+            if r["real"] is None:
+                # Recent torch: on CPU/gloo the broadcast bumps no version.
+                assert len(set(r["plain_versions"])) == 1, r["plain_versions"]
+            else:
+                # Older torch (2.4): gloo's broadcast bumps them, as NCCL's does.
+                assert "modified by an inplace operation" in r["real"]
+                assert r["modified_by"][0].startswith(
+                    "DistributedDataParallel's buffer broadcast in forward #2 of model"), r
             # Names: the module path as the user writes it, `module.` included, throughout.
             assert r["columns"] and all(c.startswith("model.module.") for c in r["columns"])
         b = res["bumped"]
         assert b["predicted"] and b["real"] is not None, (rank, b)
         assert "modified by an inplace operation" in b["real"]
         assert b["tensor"] == "model.module.1.running_mean"
-        assert b["modified_by"] == [
-            "DistributedDataParallel's buffer broadcast in forward #2 of model"], b
+        assert b["modified_by"][-1] == (
+            "DistributedDataParallel's buffer broadcast in forward #2 of model"), b
         for fix in ("broadcast_buffers=False", "SyncBatchNorm", "torch.cat"):
             assert fix in b["fix"], b["fix"]
         assert b["rank"] == [rank, 2] and b["json_rank"] == rank
@@ -77,6 +83,8 @@ def test_ddp_buffer_broadcast(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(fully_shard_fn() is None, reason="this torch has no FSDP2 fully_shard")
+@pytest.mark.skipif(not fsdp2_runs_on_cpu(), reason="this torch's FSDP2 needs CUDA: its "
+                    "FSDPCommContext makes torch.cuda streams whatever the device (torch 2.4)")
 def test_fsdp2(tmp_path: Path) -> None:
     """FSDP2 on CPU: resharding makes no false alarm; a real hazard is named."""
     for rank, res in enumerate(_spawn(dist_workers.fsdp_worker, tmp_path)):
@@ -148,8 +156,7 @@ def test_torchrun_reports_per_rank_and_merge(tmp_path: Path) -> None:
     r0 = json.loads((tmp_path / "report.rank0.json").read_text())
     r1 = json.loads((tmp_path / "report.rank1.json").read_text())
     assert (r0["rank"], r0["world_size"], r1["rank"]) == (0, 2, 1)
-    # rank 0 died of torchrun's SIGTERM, as the plain program does, after writing
-    assert "exitcode  : -15" in p.stdout, p.stdout
+    # rank 0 died of torchrun's SIGTERM after writing (its exit: the SIGTERM test below)
     assert (r0["exit_status"], r0["exception"], r0["ok"]) == (143, "terminated by SIGTERM", True)
     assert r1["exit_status"] == 1 and r1["hazards"][0]["tensor"] == "model.module.2.weight"
 

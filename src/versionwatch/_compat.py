@@ -216,3 +216,21 @@ def fully_shard_fn() -> Callable[..., Any] | None:
         if callable(fn):
             return fn  # type: ignore[no-any-return]
     return None
+
+
+def fsdp2_runs_on_cpu() -> bool:
+    """Whether FSDP2 can run on CPU (gloo): its streams come from the device's module.
+
+    torch 2.4's ``FSDPCommContext.init`` makes ``torch.cuda.Stream``s whatever the
+    device; later releases take the device (``lazy_init(device)``).
+    """
+    if fully_shard_fn() is None:
+        return False
+    for where in ("torch.distributed.fsdp._fully_shard._fsdp_param_group",
+                  "torch.distributed._composable.fsdp._fsdp_param_group"):
+        try:
+            groups = __import__(where, fromlist=["FSDPCommContext"])
+        except ImportError:
+            continue
+        return hasattr(getattr(groups, "FSDPCommContext", None), "lazy_init")
+    return False
