@@ -127,11 +127,12 @@ dist.destroy_process_group()
 """
 
 
-def _torchrun(args: list[str], cwd: Path, timeout: float = 55) -> subprocess.CompletedProcess[str]:
+def _torchrun(args: list[str], cwd: Path, timeout: float = 55,
+              launcher: list[str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VERSIONWATCH_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"),
                                                       os.environ.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    cmd = [*(launcher or [sys.executable, "-m", "torch.distributed.run"]), "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args]
     p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -173,6 +174,25 @@ def test_torchrun_reports_per_rank_and_merge(tmp_path: Path) -> None:
     assert m.returncode == 1, m.stderr
     assert "ranks disagree:" in m.stdout
     assert json.loads((tmp_path / "merged.json").read_text())["schema"] == "versionwatch.ranks/1"
+
+
+def test_torchrun_no_python_console_script(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The documented form: `torchrun --no-python versionwatch run ...`."""
+    bin_dir = Path(sys.executable).parent
+    if not (bin_dir / "torchrun").is_file() or not (bin_dir / "versionwatch").is_file():
+        pytest.skip("torchrun or the versionwatch console script is not installed here")
+    (tmp_path / "ok.py").write_text(
+        "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
+        "m(torch.ones(3, 2)).sum().backward()\ndist.destroy_process_group()\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    p = _torchrun(["--no-python", "versionwatch", "run", "--json", "r.json", "ok.py"],
+                  tmp_path, launcher=[str(bin_dir / "torchrun")])
+    assert p.returncode == 0, p.stdout
+    for r in range(2):
+        doc = json.loads((tmp_path / f"r.rank{r}.json").read_text())
+        assert (doc["rank"], doc["ok"], doc["exit_status"]) == (r, True, 0)
 
 
 def test_sigterm_writes_the_report_then_dies_of_it(tmp_path: Path) -> None:
