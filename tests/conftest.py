@@ -21,3 +21,8 @@ def oracle() -> Oracle:
     return Oracle()
 
 pytest_plugins = ["pytester"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skips cleanly without one)")
+    config.addinivalue_line("markers", "compile: compiles with inductor (tens of seconds)")

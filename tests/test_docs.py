@@ -277,6 +277,8 @@ EXEMPT = [
      "installs packages: the tests run in the environment it installs"),
     (r"^python3 -m venv\b",
      "creates the fresh environment that CI creates itself (.ci/run)"),
+    (r"^torchrun\b",
+     "needs torchrun on the PATH: the page runs the same as python -m torch.distributed.run"),
 ]
 
 # Console commands run by a dedicated test instead of with their page's commands.
@@ -324,6 +326,10 @@ STATUS: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {
     ("pytest.md", "pytest --versionwatch-strict -q tests/test_train.py"): (1, ()),
     ("lightning.md", "python train_lightning.py"): (1, ()),
     ("quickstart.md", "VERSIONWATCH_ON_HAZARD=log python train.py"): (1, ()),
+    # rank 1 fails by design; merge's status says a rank had a hazard
+    ("distributed.md", "python -m torch.distributed.run --standalone --nproc-per-node 2 -m "
+     "versionwatch run --json report.json train_ddp.py"): (1, ()),
+    ("distributed.md", "versionwatch merge report.rank0.json report.rank1.json"): (1, ()),
 }
 
 # Pages whose commands run in the repository: the benchmarks are its own scripts, and

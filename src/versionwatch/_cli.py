@@ -10,6 +10,7 @@ import os
 import pkgutil
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -17,10 +18,13 @@ from importlib.machinery import SourceFileLoader
 from types import ModuleType, TracebackType
 from typing import Any, NoReturn
 
+from versionwatch._teardown import TermGuard
+
 USAGE = """\
 versionwatch run [--on-hazard raise|warn|log] [--json PATH] [--dot PATH] [--svg PATH]
                  [--quiet] [--strict] [--stop-at-write] [--replay]
                  (SCRIPT | -m MODULE) [ARGS...]
+versionwatch merge [--json PATH] REPORT...
 versionwatch demo"""
 
 
@@ -61,6 +65,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     run.add_argument("target", nargs=argparse.REMAINDER,
                      help="SCRIPT [ARGS...], or ARGS... with -m")
+    merge = sub.add_parser(
+        "merge", help="summarize the per-rank JSON reports of a distributed run",
+        description="Read the reports that `versionwatch run --json PATH` wrote on each rank "
+        "(PATH.rank0.json, PATH.rank1.json, ...) and say which ranks hit which hazard and "
+        "where the ranks disagree. Exit status 1 if any rank had a hazard.")
+    merge.add_argument("reports", nargs="+", metavar="REPORT", help="per-rank JSON reports")
+    merge.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     sub.add_parser("demo", help="the seed story in four steps (seconds, on a CPU)")
     return p
 
@@ -124,11 +135,23 @@ def _exit_interrupted(err: KeyboardInterrupt) -> NoReturn:
 
 
 def _write_outputs(args: argparse.Namespace, watcher: Any, status: int,
-                   err: BaseException | None) -> None:
+                   err: BaseException | str | None) -> None:
+    from versionwatch._distributed import rank as current_rank
+    from versionwatch._ranks import rank_path
     from versionwatch._report import SCHEMA, Report
 
     reports: list[Report] = list(watcher.reports)
     hazards = [h for r in reports for h in r.to_dict()["hazards"]]
+    # Torn down by now under mp.spawn: the rank the reports saw then.
+    rank = current_rank() or next((r.rank for r in reports if r.rank is not None), None)
+    if rank is not None:  # each rank its own files, not all of them the same
+        for option in ("json", "dot", "svg"):
+            if getattr(args, option):
+                setattr(args, option, rank_path(getattr(args, option), rank[0]))
+    if isinstance(err, str):
+        exception: str | None = err
+    else:
+        exception = None if err is None else f"{type(err).__name__}: {err}"
     if args.json:
         timeline: dict[str, Any] = {}
         try:
@@ -146,8 +169,10 @@ def _write_outputs(args: argparse.Namespace, watcher: Any, status: int,
             "timeline": timeline,
             "target": args.module or (args.target[0] if args.target else None),
             "exit_status": status,
-            "exception": None if err is None else f"{type(err).__name__}: {err}",
+            "exception": exception,
         }
+        if rank is not None:
+            doc["rank"], doc["world_size"] = rank
         _write_file("--json", args.json, json.dumps(doc, indent=2) + "\n")
     if args.dot or args.svg:
         merged = Report(hazards=[h for r in reports for h in r.hazards])
@@ -264,6 +289,14 @@ def _run(args: argparse.Namespace) -> int:
                                      strict=args.strict, stop_at_write=args.stop_at_write)
     if child:
         watcher._replay_at = child[0]
+
+    def on_term() -> None:
+        # The plain program dies of SIGTERM here, silently; so do we, once written.
+        watcher.close()
+        _write_outputs(args, watcher, 128 + signal.SIGTERM, "terminated by SIGTERM")
+
+    guard = TermGuard(on_term)
+    guard.install()
     try:
         if args.module:
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
@@ -283,6 +316,7 @@ def _run(args: argparse.Namespace) -> int:
         status, err = (130 if isinstance(e, KeyboardInterrupt) else 1), e
         _print_uncaught(e)
     finally:
+        guard.close()
         watcher.close()
         sys.argv = saved_argv
         if saved_path0 is not None:
@@ -323,6 +357,18 @@ def _replay(args: argparse.Namespace, watcher: Any) -> None:
         print(report, file=sys.stderr)
     else:
         print(f"versionwatch: --replay: {report.replay}", file=sys.stderr)
+def _merge(args: argparse.Namespace) -> int:
+    from versionwatch._ranks import MergeError, merge, render_merged
+
+    try:
+        summary = merge(args.reports)
+    except MergeError as e:
+        print(f"versionwatch merge: error: {e}", file=sys.stderr)
+        return 2
+    print(render_merged(summary))
+    if args.json:
+        _write_file("--json", args.json, json.dumps(summary, indent=2) + "\n")
+    return 0 if summary["ok"] else 1
 
 
 def _summary(watcher: Any, err: BaseException | None) -> None:
@@ -389,6 +435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.target = target
     else:
         args = parser.parse_args(argv)
+    if args.command == "merge":
+        return _merge(args)
     if args.command == "demo":
         from versionwatch._demo import main as demo
 

@@ -173,3 +173,64 @@ def peek(owner: Any, attr: str) -> tuple[Any, list[Any]]:
 _PEEK_CODE = peek.__code__
 if not SAVED_INTROSPECTION:
     _anomaly_stack()
+
+
+def fsdp_unsharded(module: Any) -> list[tuple[Any, str, torch.Tensor]]:
+    """``(owning module, parameter name, unsharded parameter)`` of an FSDP2 module.
+
+    ``fully_shard`` keeps each parameter twice: the sharded one that
+    ``named_parameters()`` shows between forwards, and an unsharded one, made at
+    the first forward, that the forward uses and autograd saves. The state's
+    layout differs: one ``_fsdp_param_group`` (torch 2.4, under
+    ``torch.distributed._composable.fsdp``) or a list ``_fsdp_param_groups``.
+    """
+    get = getattr(module, "_get_fsdp_state", None)
+    if get is None:
+        return []
+    try:
+        state = get()
+    except Exception:  # not (yet) a managed module: nothing to name
+        return []
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    out = []
+    for group in groups:
+        for fp in getattr(group, "fsdp_params", ()):
+            info = getattr(fp, "_module_info", None)
+            t = getattr(fp, "_unsharded_param", None)
+            if info is not None and isinstance(t, torch.Tensor):
+                out.append((info.module, str(info.param_name), t))
+    return out
+
+
+def fully_shard_fn() -> Callable[..., Any] | None:
+    """FSDP2's ``fully_shard``, where this torch has it (imported on demand)."""
+    for where in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            mod = __import__(where, fromlist=["fully_shard"])
+        except ImportError:
+            continue
+        fn = getattr(mod, "fully_shard", None)
+        if callable(fn):
+            return fn  # type: ignore[no-any-return]
+    return None
+
+
+def fsdp2_runs_on_cpu() -> bool:
+    """Whether FSDP2 can run on CPU (gloo): its streams come from the device's module.
+
+    torch 2.4's ``FSDPCommContext.init`` makes ``torch.cuda.Stream``s whatever the
+    device; later releases take the device (``lazy_init(device)``).
+    """
+    if fully_shard_fn() is None:
+        return False
+    for where in ("torch.distributed.fsdp._fully_shard._fsdp_param_group",
+                  "torch.distributed._composable.fsdp._fsdp_param_group"):
+        try:
+            groups = __import__(where, fromlist=["FSDPCommContext"])
+        except ImportError:
+            continue
+        return hasattr(getattr(groups, "FSDPCommContext", None), "lazy_init")
+    return False

@@ -45,6 +45,13 @@ def fix_for(h: Hazard) -> str:
             "backward once, or re-run the forward before this backward"
         )
     name = h.tensor or "the tensor"
+    if h.kind == "inplace" and any(m.kind == "ddp_buffer_broadcast" for m in h.modified_by):
+        return (
+            "run one forward on the concatenated batch (`ddp(torch.cat([a, b]))`) before "
+            "backward, or pass broadcast_buffers=False (forward_sync_buffers=False on newer "
+            "torch) to DistributedDataParallel, or convert BatchNorm with "
+            "nn.SyncBatchNorm.convert_sync_batchnorm(model), which syncs in the forward itself"
+        )
     if h.kind == "silent":
         return (
             f"{name} was changed without a version bump (fused optimizer, .data, or a "
@@ -233,6 +240,8 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
         facts.append(("backward at", f"{report.backward_site}{thread}"))
     if report.replay:
         facts.append(("replay", report.replay))
+    if report.rank is not None:
+        facts.append(("rank", f"{report.rank[0]} of {report.rank[1]}"))
     facts.append(("fix", h.fix))
     if torch_message and h.torch_message:
         facts.append(("pytorch", h.torch_message))

@@ -9,6 +9,8 @@ from typing import Union
 import torch
 from torch import nn
 
+from versionwatch._compat import fsdp_unsharded
+
 Names = Union[nn.Module, Mapping[str, nn.Module], Mapping[torch.Tensor, str]]
 
 
@@ -25,7 +27,20 @@ def module_tensors(module: nn.Module, prefix: str = "") -> dict[int, tuple[str, 
         out.setdefault(id(p), (prefix + _user_name(name, compiled), p))
     for name, b in module.named_buffers(remove_duplicate=False):
         out.setdefault(id(b), (prefix + _user_name(name, compiled), b))
+    if has_fsdp(module):
+        quals = {id(m): q for q, m in module.named_modules(remove_duplicate=False)}
+        for sub in module.modules():
+            for owner, pname, t in fsdp_unsharded(sub):
+                qual = quals.get(id(owner))
+                if qual is not None:
+                    name = f"{qual}.{pname}" if qual else pname
+                    out.setdefault(id(t), (prefix + _user_name(name, compiled), t))
     return out
+
+
+def has_fsdp(module: nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` manages ``module`` or one of its submodules."""
+    return any(hasattr(m, "_get_fsdp_state") for m in module.modules())
 
 
 def _compiled_paths(module: nn.Module) -> frozenset[str]:

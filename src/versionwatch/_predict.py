@@ -36,6 +36,7 @@ from versionwatch._compat import (
     peek,
     zero_grads,
 )
+from versionwatch._distributed import rank
 from versionwatch._errors import FreedGraphError, InplaceModificationError
 from versionwatch._explain import _BACKWARD_SUFFIX, fix_for
 from versionwatch._graph import Graph, lease
@@ -217,6 +218,8 @@ class _Checker:
             if plan is _COPY_SLICES:
                 self._copy_slices(i, fn)
                 continue
+            if type(fn).__name__ == "CheckpointFunctionBackward":
+                self.unverifiable.append((fn.name(), "recomputed forward"))
             for slot, raw_attr, saved_attr in plan:
                 self._peek_slot(i, fn, slot, raw_attr, saved_attr)
 
@@ -412,6 +415,10 @@ class _Checker:
             self._error(i, fn, where, raws[at] if at is not None else None, e)
 
     def _custom(self, i: int, fn: Any) -> None:
+        if fn.name() == "CheckpointFunctionBackward":
+            # A reentrant checkpoint's backward reruns its forward and a backward
+            # of its own, which no walk of this graph can see: count it.
+            self.unverifiable.append((fn.name(), "recomputed forward"))
         try:
             raws = fn._raw_saved_tensors
         except RuntimeError as e:
@@ -945,6 +952,7 @@ def _predict(
             saved_checked=checker.checked,
         )
         if checker.hazards:
+            report.rank = rank()
             position = _execution_order(graph, executed)
             checker.hazards.sort(key=lambda e: (position[e[0]], e[1]))
             parents = _parents(graph)

@@ -225,6 +225,9 @@ class Report:
             a watcher ran it.
         replay: what ``versionwatch run --replay`` found when it re-ran the
             program in strict mode to fill in the lines, if it did.
+        rank: ``(rank, world_size)`` of the process that made a report with
+            hazards, under ``torch.distributed`` (a process group, or torchrun's
+            ``RANK``), else None.
 
     Example:
         >>> import torch, versionwatch
@@ -245,6 +248,7 @@ class Report:
     thread: str | None = None
     backward: int | None = None
     replay: str | None = None
+    rank: tuple[int, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -272,7 +276,7 @@ class Report:
                 d["backward_site"]["thread"] = self.thread
             hazards.append(d)
         timeline = self.timeline.to_dict() if self.timeline is not None else {}
-        return {
+        out: dict[str, Any] = {
             "schema": SCHEMA,
             "ok": self.ok,
             "hazards": hazards,
@@ -281,6 +285,9 @@ class Report:
             "saved_checked": self.saved_checked,
             "timeline": timeline,
         }
+        if self.rank is not None:
+            out["rank"], out["world_size"] = self.rank
+        return out
 
     def to_dot(self) -> str:
         """Graphviz DOT: the path from the backward's root to each stale saved tensor.

@@ -39,7 +39,8 @@ class Timeline:
                 if saved_at is not None and ev.kind == "forward" and saved_at.startswith(ev.label):
                     mark += "*"
                 cells.append("" if v is None else f"{v}{mark}")
-            quiet = ev.kind.endswith("_end") and not any(c.endswith("+") for c in cells)
+            quiet = (ev.kind.endswith("_end") or ev.kind == "buffer_sync") and not any(
+                c.endswith("+") for c in cells)
             prev = versions
             if not quiet:  # an end row matters only when something changed during it
                 out.append((ev, cells))

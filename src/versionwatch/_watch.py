@@ -26,7 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from versionwatch import _forward, _inflight, _strict
+from versionwatch import _distributed, _forward, _inflight, _strict
 from versionwatch._call import BadCall, read_once, rejected
 from versionwatch._compat import SAVED_INTROSPECTION
 from versionwatch._config import Policy, resolve_policy
@@ -34,7 +34,7 @@ from versionwatch._errors import InplaceHazardWarning
 from versionwatch._explain import fix_for, render_report
 from versionwatch._functorch import in_functorch_transform
 from versionwatch._ledger import Ledger, Tracked
-from versionwatch._naming import module_tensors
+from versionwatch._naming import has_fsdp, module_tensors
 from versionwatch._predict import _VERSION_RE, gated, predict, raise_for
 from versionwatch._report import Hazard, Modification, Report, Site
 from versionwatch._sites import user_frame, user_site
@@ -348,6 +348,10 @@ class Watcher:
         self._names: dict[int, str] = {}
         self._roots: dict[str, weakref.ref[nn.Module]] = {}
         self._forwards: dict[str, int] = {}
+        # Route name of a DDP root's inner module -> the DDP root's name.
+        self._synced: dict[str, str] = {}
+        # FSDP2 roots: their unsharded parameters appear at the first forward.
+        self._sharded: set[str] = set()
         self._handles: list[RemovableHandle | _forward.Handle] = []
         self._optimizers: dict[int, _OptimizerState] = {}
         self._silent: dict[int, int] = {}
@@ -407,6 +411,26 @@ class Watcher:
                 self._names[key] = qual
                 self.ledger.track(qual, t)
         self._handles.append(_forward.add_root(module, self, name))
+        if has_fsdp(module):
+            self._sharded.add(name)
+        inner = _distributed.buffer_synced_inner(module)
+        if inner is not None:
+            # What DDP writes between its forward's start and the wrapped module's
+            # call is its buffer broadcast: a mark there names it.
+            route = f"{name}\x00sync"
+            self._synced[route] = name
+            self._handles.append(_forward.add_root(inner, self, route))
+
+    def _track_unsharded(self, root: str) -> None:
+        # The tensors an FSDP2 forward saved are its unsharded parameters: named
+        # as the parameters they stand for, and tracked from their first forward.
+        module = self._roots[root]()
+        if module is None:
+            return
+        for key, (qual, t) in module_tensors(module, root + ".").items():
+            if key not in self._names:
+                self._names[key] = qual
+                self.ledger.track(qual, t)
 
     def _label(self, root: str, n: int) -> str:
         return f"forward #{n}" if len(self._roots) == 1 else f"{root}.forward #{n}"
@@ -478,6 +502,16 @@ class Watcher:
 
     # -- events ----------------------------------------------------------------------
     def _on_forward(self, root: str, pre: bool) -> None:
+        if self._synced and root in self._synced:
+            if pre:
+                outer = self._synced[root]
+                label = self._label(outer, self._forwards[outer])
+                self.ledger.record(
+                    "buffer_sync", f"DDP buffer broadcast of {label}", None,
+                    cause=Modification(
+                        "ddp_buffer_broadcast",
+                        f"DistributedDataParallel's buffer broadcast in {label} of {outer}"))
+            return
         if pre:
             with _LOCK:
                 self._forwards[root] += 1
@@ -496,6 +530,8 @@ class Watcher:
             # The clock at the end too: nodes numbered between the two were made
             # by this forward, activations included (ledger.place_forward).
             seq = _seq_clock() if torch.is_grad_enabled() else None
+            if self._sharded and root in self._sharded:
+                self._track_unsharded(root)
             self.ledger.record(
                 "forward_end", label, None,
                 cause=Modification("module_forward", f"during {label} of {root}"), seq=seq,
@@ -812,7 +848,7 @@ class Watcher:
                     self.ledger.blame(h, key)
         h.fix = fix_for(h)
         h.torch_message = msg
-        late = Report(hazards=[h], backward_site=site)
+        late = Report(hazards=[h], backward_site=site, rank=_distributed.rank())
         self.reports.append(late)
         text = render_report(late, torch_message=False)
         _add_note(err, f"versionwatch explains (PyTorch raised, unpredicted):\n{text}")
@@ -875,7 +911,7 @@ class Watcher:
             _strict.end_step()
             for state in self._optimizers.values():
                 state.pending = None
-        report = Report(hazards=hazards)
+        report = Report(hazards=hazards, rank=_distributed.rank())
         self.reports.append(report)
         self._dispatch(report)
 

@@ -1,0 +1,139 @@
+"""One JSON report per rank, and the summary of several: ``versionwatch merge``.
+
+Under torchrun every rank runs the same ``versionwatch run --json report.json``;
+each writes ``report.rank<N>.json`` instead of all of them overwriting one file.
+``versionwatch merge report.rank*.json`` reads them back and says which ranks hit
+which hazard, and where the ranks disagree: a hazard on some ranks only, a
+different exit status, a tensor that ended at different versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+MERGED_SCHEMA = "versionwatch.ranks/1"
+
+
+def rank_path(path: str, rank: int) -> str:
+    """``report.json`` -> ``report.rank1.json`` (``out`` -> ``out.rank1``)."""
+    head, tail = os.path.split(path)
+    stem, dot, ext = tail.rpartition(".")
+    name = f"{stem}.rank{rank}.{ext}" if dot and stem else f"{tail}.rank{rank}"
+    return os.path.join(head, name)
+
+
+class MergeError(Exception):
+    """A file given to ``versionwatch merge`` cannot be read as a run's report."""
+
+
+def _load(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise MergeError(f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise MergeError(f"{path} is not JSON: {e}") from None
+    if not isinstance(doc, dict) or not str(doc.get("schema", "")).startswith(
+            "versionwatch.report/"):
+        raise MergeError(f"{path} is not a versionwatch report (no versionwatch.report schema)")
+    return doc
+
+
+def _key(h: dict[str, Any]) -> tuple[str, str, str, str]:
+    site = h.get("backward_site") or {}
+    at = f"{site.get('file')}:{site.get('line')}" if site else ""
+    return (str(h.get("kind")), str(h.get("tensor")), str(h.get("saved_by")) + (
+        f".{h['slot']}" if h.get("slot") else ""), at)
+
+
+def _final_versions(doc: dict[str, Any]) -> dict[str, int]:
+    events = (doc.get("timeline") or {}).get("events") or []
+    return {k: v for k, v in (events[-1].get("versions") or {}).items()
+            if isinstance(v, int)} if events else {}
+
+
+def merge(paths: Sequence[str]) -> dict[str, Any]:
+    """The summary of the per-rank reports at ``paths`` (schema ``versionwatch.ranks/1``).
+
+    Raises:
+        MergeError: a file is missing, not JSON, or not a versionwatch report.
+    """
+    docs = []
+    for i, path in enumerate(paths):
+        doc = _load(path)
+        rank = doc.get("rank")
+        docs.append((rank if isinstance(rank, int) else i, path, doc))
+    docs.sort(key=lambda d: d[0])
+    ranks = [r for r, _, _ in docs]
+    hazards: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    for r, _, doc in docs:
+        for h in doc.get("hazards") or []:
+            entry = hazards.setdefault(_key(h), {
+                "kind": h.get("kind"), "tensor": h.get("tensor"),
+                "saved_by": _key(h)[2], "backward_site": _key(h)[3] or None,
+                "modified_by": [m.get("description") for m in h.get("modified_by") or []],
+                "ranks": []})
+            if r not in entry["ranks"]:
+                entry["ranks"].append(r)
+    disagree = []
+    for h in hazards.values():
+        if h["ranks"] != ranks:
+            disagree.append(f"{h['tensor']} ({h['kind']}, {h['saved_by']}): "
+                            f"only on {_ranks_text(h['ranks'])}")
+    statuses = {r: doc.get("exit_status") for r, _, doc in docs}
+    if len(set(map(str, statuses.values()))) > 1:
+        disagree.append("exit status: " + ", ".join(
+            f"rank {r} {_status_text(s)}" for r, s in statuses.items()))
+    finals = {r: _final_versions(doc) for r, _, doc in docs}
+    for name in sorted({n for f in finals.values() for n in f}):
+        seen = {r: f.get(name) for r, f in finals.items()}
+        if len({v for v in seen.values() if v is not None}) > 1:
+            disagree.append(f"{name} ends at version " + ", ".join(
+                f"{v} on rank {r}" for r, v in seen.items() if v is not None))
+    return {
+        "schema": MERGED_SCHEMA,
+        "ok": not hazards and all(doc.get("ok", True) for _, _, doc in docs),
+        "ranks": [{"rank": r, "file": p, "ok": doc.get("ok"),
+                   "exit_status": doc.get("exit_status"), "exception": doc.get("exception"),
+                   "hazards": len(doc.get("hazards") or [])} for r, p, doc in docs],
+        "hazards": list(hazards.values()),
+        "disagree": disagree,
+    }
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _status_text(status: Any) -> str:
+    if isinstance(status, int) and status > 128:
+        return f"{status} (signal {status - 128})"
+    return str(status)
+
+
+def render_merged(summary: dict[str, Any]) -> str:
+    """The text ``versionwatch merge`` prints."""
+    ranks = summary["ranks"]
+    lines = [f"versionwatch: {len(ranks)} rank reports, "
+             f"{len(summary['hazards'])} distinct hazard(s)"]
+    for r in ranks:
+        what = f"{r['hazards']} hazard(s)" if r["hazards"] else "no hazard"
+        died = f", {str(r['exception']).splitlines()[0]}" if r.get("exception") else ""
+        lines.append(f"  rank {r['rank']}  exit status {_status_text(r['exit_status'])}, "
+                     f"{what}{died}")
+    if summary["hazards"]:
+        lines.append("hazards:")
+        for h in summary["hazards"]:
+            by = f", modified by {h['modified_by'][0]}" if h["modified_by"] else ""
+            lines.append(f"  {_ranks_text(h['ranks'])}: {h['kind']} {h['tensor']} saved by "
+                         f"{h['saved_by']}{by}")
+    if summary["disagree"]:
+        lines.append("ranks disagree:")
+        lines += [f"  {d}" for d in summary["disagree"]]
+    else:
+        lines.append("ranks agree")
+    return "\n".join(lines)

@@ -1,0 +1,266 @@
+"""DDP and FSDP2 on 2 CPU processes (gloo), and the per-rank reports of the CLI.
+
+Each multi-process test starts its ranks with a deadline, kills them if it
+passes, and leaves no process behind. The CUDA/NCCL path of DDP's buffer
+broadcast is in tests/test_cuda.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import dist_workers
+from versionwatch._compat import fsdp2_runs_on_cpu, fully_shard_fn
+from versionwatch._ranks import MergeError, merge, rank_path, render_merged
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(fn: Callable[..., None], out: Path, timeout: float = 50) -> list[dict[str, Any]]:
+    """Run ``fn(rank, port, out)`` on 2 spawned ranks; their results, by rank."""
+    ctx = mp.start_processes(fn, args=(_free_port(), str(out)), nprocs=2, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the ranks ran past {timeout} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_ddp_buffer_broadcast(tmp_path: Path) -> None:
+    """Two forwards before backward under DDP: no false alarm; a bump is blamed on DDP."""
+    for rank, res in enumerate(_spawn(dist_workers.ddp_worker, tmp_path)):
+        for mode in ("default", "strict"):
+            r = res[f"broadcast_{mode}"]
+            assert r["real"] == r["plain"], (rank, mode, r)
+            assert r["predicted"] == (r["real"] is not None), (rank, mode, r)
+            if r["real"] is None:
+                # Recent torch: on CPU/gloo the broadcast bumps no version.
+                assert len(set(r["plain_versions"])) == 1, r["plain_versions"]
+            else:
+                # Older torch (2.4): gloo's broadcast bumps them, as NCCL's does.
+                assert "modified by an inplace operation" in r["real"]
+                assert r["modified_by"][0].startswith(
+                    "DistributedDataParallel's buffer broadcast in forward #2 of model"), r
+            # Names: the module path as the user writes it, `module.` included, throughout.
+            assert r["columns"] and all(c.startswith("model.module.") for c in r["columns"])
+        b = res["bumped"]
+        assert b["predicted"] and b["real"] is not None, (rank, b)
+        assert "modified by an inplace operation" in b["real"]
+        assert b["tensor"] == "model.module.1.running_mean"
+        assert b["modified_by"][-1] == (
+            "DistributedDataParallel's buffer broadcast in forward #2 of model"), b
+        for fix in ("broadcast_buffers=False", "SyncBatchNorm", "torch.cat"):
+            assert fix in b["fix"], b["fix"]
+        assert b["rank"] == [rank, 2] and b["json_rank"] == rank
+        assert f"rank         {rank} of 2" in b["text"]
+
+
+@pytest.mark.skipif(fully_shard_fn() is None, reason="this torch has no FSDP2 fully_shard")
+@pytest.mark.skipif(not fsdp2_runs_on_cpu(), reason="this torch's FSDP2 needs CUDA: its "
+                    "FSDPCommContext makes torch.cuda streams whatever the device (torch 2.4)")
+def test_fsdp2(tmp_path: Path) -> None:
+    """FSDP2 on CPU: resharding makes no false alarm; a real hazard is named."""
+    for rank, res in enumerate(_spawn(dist_workers.fsdp_worker, tmp_path)):
+        for mode in ("default", "strict"):
+            loop = res[f"loop_{mode}"]
+            assert loop["real"] is None and not loop["predicted"], (rank, mode, loop["text"])
+            step = res[f"step_between_{mode}"]
+            # FSDP2 gathers the weights again for the second backward: PyTorch
+            # raises nothing, and the prediction is PyTorch's outcome.
+            assert step["real"] == step["plain"], step
+            assert step["predicted"] == (step["real"] is not None), (rank, mode, step)
+            clip = res[f"clip_{mode}"]
+            assert clip["real"] is not None and clip["predicted"], (rank, mode, clip)
+            assert clip["tensor"] == "model.2.weight", clip["text"]
+            assert clip["rank"] == [rank, 2]
+
+
+# -- the CLI under torchrun -------------------------------------------------------------
+
+TRAIN = """\
+import time
+import torch
+import torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(),
+                                                          nn.Linear(8, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loss = model(torch.randn(8, 4)).pow(2).mean()
+loss.backward(retain_graph=True)
+opt.step()
+if rank == 1:
+    loss.backward()
+else:
+    time.sleep(60)
+dist.destroy_process_group()
+"""
+
+
+def _torchrun(args: list[str], cwd: Path, timeout: float = 55,
+              launcher: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERSIONWATCH_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"),
+                                                      os.environ.get("PYTHONPATH")]))
+    cmd = [*(launcher or [sys.executable, "-m", "torch.distributed.run"]), "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args]
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # torchrun's ranks too
+        except ProcessLookupError:
+            pass
+        p.wait()
+    return subprocess.CompletedProcess(cmd, p.returncode, out, "")
+
+
+def test_torchrun_reports_per_rank_and_merge(tmp_path: Path) -> None:
+    """Each rank writes its own report, rank 0 even when torchrun stops it by SIGTERM."""
+    (tmp_path / "train.py").write_text(TRAIN)
+    p = _torchrun(["-m", "versionwatch", "run", "--json", "report.json", "train.py"], tmp_path)
+    assert p.returncode == 1, p.stdout
+    assert "[rank1]:   rank         1 of 2" in p.stdout, p.stdout
+    assert not (tmp_path / "report.json").exists()
+    r0 = json.loads((tmp_path / "report.rank0.json").read_text())
+    r1 = json.loads((tmp_path / "report.rank1.json").read_text())
+    assert (r0["rank"], r0["world_size"], r1["rank"]) == (0, 2, 1)
+    # rank 0 died of torchrun's SIGTERM after writing (its exit: the SIGTERM test below)
+    assert (r0["exit_status"], r0["exception"], r0["ok"]) == (143, "terminated by SIGTERM", True)
+    assert r1["exit_status"] == 1 and r1["hazards"][0]["tensor"] == "model.module.2.weight"
+
+    summary = merge([str(tmp_path / "report.rank1.json"), str(tmp_path / "report.rank0.json")])
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    assert summary["hazards"][0]["ranks"] == [1]
+    text = render_merged(summary)
+    assert "rank 1: inplace model.module.2.weight saved by AddmmBackward0.mat2" in text, text
+    assert "only on rank 1" in text and "exit status: rank 0 143 (signal 15), rank 1 1" in text
+    m = subprocess.run([sys.executable, "-m", "versionwatch", "merge", "report.rank0.json",
+                        "report.rank1.json", "--json", "merged.json"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert m.returncode == 1, m.stderr
+    assert "ranks disagree:" in m.stdout
+    assert json.loads((tmp_path / "merged.json").read_text())["schema"] == "versionwatch.ranks/1"
+
+
+def test_torchrun_no_python_console_script(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The documented form: `torchrun --no-python versionwatch run ...`."""
+    bin_dir = Path(sys.executable).parent
+    if not (bin_dir / "torchrun").is_file() or not (bin_dir / "versionwatch").is_file():
+        pytest.skip("torchrun or the versionwatch console script is not installed here")
+    (tmp_path / "ok.py").write_text(
+        "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
+        "m(torch.ones(3, 2)).sum().backward()\ndist.destroy_process_group()\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    p = _torchrun(["--no-python", "versionwatch", "run", "--json", "r.json", "ok.py"],
+                  tmp_path, launcher=[str(bin_dir / "torchrun")])
+    assert p.returncode == 0, p.stdout
+    for r in range(2):
+        doc = json.loads((tmp_path / f"r.rank{r}.json").read_text())
+        assert (doc["rank"], doc["ok"], doc["exit_status"]) == (r, True, 0)
+
+
+def test_sigterm_writes_the_report_then_dies_of_it(tmp_path: Path) -> None:
+    """Outside torchrun too: SIGTERM writes the report, and the exit is the plain one."""
+    (tmp_path / "sleeper.py").write_text(
+        "import time, torch\nm = torch.nn.Linear(2, 1)\nm(torch.ones(1, 2)).sum().backward()\n"
+        "print('ready', flush=True)\ntime.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    p = subprocess.Popen([sys.executable, "-m", "versionwatch", "run", "--json", "r.json",
+                          "sleeper.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+    assert p.returncode == -signal.SIGTERM
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert (doc["exit_status"], doc["exception"], "rank" in doc) == (
+        143, "terminated by SIGTERM", False)
+    assert doc["timeline"]["events"], doc
+
+
+def test_rank_path() -> None:
+    assert rank_path("report.json", 1) == "report.rank1.json"
+    assert rank_path(os.path.join("out", "r.v1.json"), 0) == os.path.join("out", "r.v1.rank0.json")
+    assert rank_path("report", 3) == "report.rank3"
+    assert rank_path(".report", 0) == ".report.rank0"
+
+
+def _doc(rank: int, status: int, hazards: list[dict[str, Any]],
+         versions: dict[str, int]) -> dict[str, Any]:
+    return {"schema": "versionwatch.report/1", "ok": not hazards, "hazards": hazards,
+            "rank": rank, "world_size": 2, "exit_status": status, "exception": None,
+            "timeline": {"events": [{"event": "forward #1", "versions": versions}]}}
+
+
+def test_merge_agreement_and_disagreement(tmp_path: Path) -> None:
+    hazard = {"kind": "inplace", "tensor": "m.w", "saved_by": "MulBackward0", "slot": "other",
+              "backward_site": {"file": "t.py", "line": 3},
+              "modified_by": [{"description": "SGD.step() #1"}]}
+    paths = []
+    for r in range(2):
+        path = tmp_path / f"r{r}.json"
+        path.write_text(json.dumps(_doc(r, 1, [hazard], {"m.w": 2})))
+        paths.append(str(path))
+    s = merge(paths)
+    assert s["hazards"][0]["ranks"] == [0, 1] and s["disagree"] == [] and not s["ok"]
+    assert "ranks agree" in render_merged(s)
+    Path(paths[1]).write_text(json.dumps(_doc(1, 0, [], {"m.w": 3})))
+    s = merge(paths)
+    assert s["disagree"] == ["m.w (inplace, MulBackward0.other): only on rank 0",
+                             "exit status: rank 0 1, rank 1 0",
+                             "m.w ends at version 2 on rank 0, 3 on rank 1"]
+
+
+def test_merge_bad_input(tmp_path: Path) -> None:
+    (tmp_path / "x.json").write_text("[1]")
+    (tmp_path / "y.json").write_text("{")
+    for name, said in (("x.json", "not a versionwatch report"), ("y.json", "is not JSON"),
+                       ("missing.json", "cannot read")):
+        with pytest.raises(MergeError, match=said):
+            merge([str(tmp_path / name)])
+    p = subprocess.run([sys.executable, "-m", "versionwatch", "merge", "y.json"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert p.returncode == 2 and p.stderr.startswith("versionwatch merge: error: "), p.stderr
+    assert "Traceback" not in p.stderr

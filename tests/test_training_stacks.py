@@ -1,0 +1,194 @@
+"""torch.compile (inductor), autocast with GradScaler, activation checkpointing and
+``save_on_cpu``: each watched in both modes, each prediction compared with the real
+backward, which decides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.autograd.graph import save_on_cpu
+from torch.utils.checkpoint import checkpoint
+
+import versionwatch
+
+Body = Callable[[nn.Module, torch.optim.Optimizer], Any]
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _real(body: Body) -> str | None:
+    model = _mlp()
+    try:
+        body(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _watched(body: Body, strict: bool) -> tuple[str | None, list[versionwatch.Report]]:
+    """The watched run's outcome (the real backward runs: the policy only collects)."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[versionwatch.Report] = []
+    with versionwatch.watch(model, opt, on_hazard=seen.append, strict=strict):
+        try:
+            body(model, opt)
+        except RuntimeError as e:
+            return str(e), seen
+    return None, seen
+
+
+def _agrees(body: Body, strict: bool) -> list[versionwatch.Report]:
+    real = _real(body)
+    got, seen = _watched(body, strict)
+    assert got == real, (got, real)  # watching changes nothing
+    assert bool(seen) == (real is not None), (real, [str(r) for r in seen])
+    return seen
+
+
+# -- torch.compile ----------------------------------------------------------------------
+
+@pytest.mark.compile
+def test_compile_inductor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor on CPU: no graph break from watching; a saved parameter is named."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
+    try:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled = torch.compile(model, fullgraph=True)  # inductor; a break would raise
+        x = torch.randn(8, 4)
+
+        def step_between() -> str | None:
+            loss = compiled(x).pow(2).mean()
+            loss.backward(retain_graph=True)
+            opt.step()
+            try:
+                loss.backward()
+            except RuntimeError as e:
+                return str(e)
+            return None
+
+        real = step_between()  # the oracle: this torch's compiled backward, unwatched
+        seen: list[versionwatch.Report] = []
+        with versionwatch.watch(compiled, opt, on_hazard=seen.append):
+            explained = torch._dynamo.explain(model)(x)
+            got = step_between()
+        assert explained.graph_break_count == 0
+        # The same outcome (the watched run comes one step later: other versions).
+        assert (got is None) == (real is None), (got, real)
+        assert len(seen) == (real is not None), [str(r) for r in seen]
+        if real is not None:
+            h = seen[0].hazards[0]
+            assert h.node == "CompiledFunctionBackward", h.node  # compiled nodes save too
+            assert h.tensor == "compiled.2.weight"
+            assert [m.description for m in h.modified_by] == ["SGD.step() #1"]
+            assert h.torch_message is not None
+            assert h.torch_message.split("Hint")[0] in str(got)
+    finally:
+        torch._dynamo.reset()
+
+
+# -- autocast and GradScaler ------------------------------------------------------------
+
+def _amp_step_between(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    # Linear runs in bf16: autocast saves the weight's cast, which step() leaves alone.
+    scaler = torch.amp.GradScaler("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    scaler.scale(loss).backward(retain_graph=True)
+    scaler.step(opt)
+    scaler.update()
+    loss.backward()
+
+
+def _amp_fp32_op_step_between(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    # An op autocast leaves in float32 saves the parameter itself: step() breaks it.
+    scaler = torch.amp.GradScaler("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = model[1](model[0](torch.randn(8, 4)))
+        loss = (h.float() * model[0].bias).pow(2).mean()
+    scaler.scale(loss).backward(retain_graph=True)
+    scaler.step(opt)
+    scaler.update()
+    loss.backward()
+
+
+def _amp_loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    scaler = torch.amp.GradScaler("cpu")
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(8, 4)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
+@pytest.mark.skipif(not hasattr(torch.amp, "GradScaler"), reason="no torch.amp.GradScaler")
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_autocast_grad_scaler(strict: bool) -> None:
+    assert not _agrees(_amp_step_between, strict)
+    assert not _agrees(_amp_loop, strict)
+    seen = _agrees(_amp_fp32_op_step_between, strict)
+    assert seen[0].hazards[0].tensor == "model.0.bias"
+
+
+# -- activation checkpointing and save_on_cpu -------------------------------------------
+
+def _checkpointed(reentrant: bool, whole: bool) -> Body:
+    def body(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        x = torch.randn(8, 4, requires_grad=True)
+        if whole:  # recomputed in backward, with the weights of that moment
+            loss = checkpoint(model, x, use_reentrant=reentrant).pow(2).mean()
+        else:  # model.2 runs outside the checkpoint and saves its weight plainly
+            h = checkpoint(model[0], x, use_reentrant=reentrant)
+            loss = model[2](h.tanh()).pow(2).mean()
+        loss.backward(retain_graph=True)
+        opt.step()
+        loss.backward()
+
+    return body
+
+
+def _step_after_save_on_cpu(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    with save_on_cpu():
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+    loss.backward(retain_graph=True)
+    opt.step()
+    loss.backward()
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_checkpoint_and_save_on_cpu_no_false_alarm(strict: bool) -> None:
+    # Outside the checkpoint, model.2.weight was saved plainly: step() breaks it.
+    for reentrant in (True, False):
+        assert not _agrees(_checkpointed(reentrant, whole=True), strict)
+        seen = _agrees(_checkpointed(reentrant, whole=False), strict)
+        assert [r.hazards[0].tensor for r in seen] == ["model.2.weight"]
+    assert not _agrees(_step_after_save_on_cpu, strict)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpoint_counts_what_it_cannot_verify(reentrant: bool) -> None:
+    model = _mlp()
+    x = torch.randn(8, 4, requires_grad=True)
+    loss = model[2](checkpoint(model[0], x, use_reentrant=reentrant).tanh()).sum()
+    report = versionwatch.check(loss, names=model)
+    assert report.ok and report.unverifiable
+    expected = ([("CheckpointFunctionBackward", "recomputed forward")] if reentrant
+                else [("AddmmBackward0", "mat1"), ("AddmmBackward0", "mat2")])
+    assert report.unverifiable == expected
+    assert f"{len(expected)} not verifiable" in str(report)
+    with save_on_cpu():
+        loss = model(x).sum()
+    report = versionwatch.check(loss, names=model)
+    assert report.ok and report.saved_checked == 0 and len(report.unverifiable) == 5
