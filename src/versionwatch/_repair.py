@@ -1,0 +1,381 @@
+"""``on_hazard="repair"``: keep what a live graph saved before a seen write overwrites it.
+
+PyTorch's ``allow_mutation_on_saved_tensors()`` sends every op through a
+Python dispatch mode to find the writes. A watcher already sees the writes
+that matter before they happen (every watched optimizer step; in strict mode
+every in-place op), so it copies only the saved tensors that such a write is
+about to overwrite, and nothing when no live graph saved them.
+
+Which live graphs saved what:
+
+- **Default mode** knows a graph once a backward ran on it with
+  ``retain_graph=True`` (or ``create_graph``): a graph that backward freed
+  needs nothing, and one never backwarded is not seen (its hazard is raised as
+  with ``"raise"``). The backward's outputs are held weakly; just before a
+  step, the graphs still alive are walked (the predictor's iteration) for
+  slots that hold a parameter the step updates, or a view of one. Such a slot
+  gets ``register_hooks`` (see ``SavedVariable::register_hooks``): the pack
+  hook hands PyTorch a copy, the unpack hook returns it, so the slot no longer
+  shares memory with the parameter. A program without retained graphs pays one
+  empty-list check per step.
+- **Strict mode** packs every saved tensor into a record already: a write
+  about to hit a record's memory swaps the record's tensor for a copy.
+
+Copies belong to the graph (the hook or the record holds them): they die with
+it. A memory budget caps the bytes held; past it, a graph gets no more copies,
+a warning names what keeps it alive, and its backward fails as it would.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from versionwatch._compat import (
+    SAVED_INTROSPECTION,
+    SAVED_UNPACK,
+    HookedSaved,
+    allow_in_peek,
+    peek,
+)
+from versionwatch._errors import InplaceHazardWarning
+from versionwatch._graph import Graph, lease
+from versionwatch._predict import _COPY_SLICES, TRUSTED_UNPACK, _planned
+from versionwatch._report import Repair, Site, size
+
+_MIN_BUDGET = 64 << 20
+
+
+def unpack(copy: torch.Tensor) -> torch.Tensor:
+    """The unpack hook of a repaired slot: the copy taken before the write."""
+    return copy
+
+
+TRUSTED_UNPACK.add(unpack)
+allow_in_peek(unpack)
+
+
+class _Keep:
+    """The pack hook of a repaired slot: ignores the live tensor, hands over the copy."""
+
+    __slots__ = ("copy",)
+
+    def __init__(self, copy: torch.Tensor) -> None:
+        self.copy = copy
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        copy = self.copy
+        del self.copy  # the slot holds it from now on, and frees it with the graph
+        return copy
+
+
+class _Root:
+    """A retained backward's output, held weakly, and the story it tells."""
+
+    __slots__ = ("label", "ref", "refused", "site")
+
+    def __init__(self, t: torch.Tensor, label: str, site: Site | None) -> None:
+        self.ref = weakref.ref(t)
+        self.label = label
+        self.site = site
+        self.refused = False  # over budget: this graph gets no more copies
+
+
+class Repairer:
+    """One watcher's repairs: retained graphs, copies held, and their accounting."""
+
+    def __init__(self, watcher: Any, budget: int | None) -> None:
+        self._watcher = weakref.ref(watcher)
+        self._budget = budget
+        self.roots: list[_Root] = []
+        self.repairs: deque[Repair] = deque(maxlen=1000)
+        self.count = 0
+        self.copied = 0  # bytes copied over the run
+        self.held = 0  # bytes of copies alive now
+        self.peak = 0
+        self.refused: list[str] = []
+        self._warned = False
+        self._lock = threading.Lock()
+        self._alive: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+
+    # -- budget and accounting -----------------------------------------------------
+    @property
+    def budget(self) -> int:
+        """The most bytes copies may hold at once (default: twice the watched tensors)."""
+        if self._budget is not None:
+            return self._budget
+        w = self._watcher()
+        total = 0
+        if w is not None:
+            for tr in list(w.ledger.tracked.values()):
+                t = tr.ref()
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return max(_MIN_BUDGET, 2 * total)
+
+    def _hold(self, copy: torch.Tensor) -> int:
+        nbytes = copy.numel() * copy.element_size()
+        key = id(copy)
+
+        def freed(_: object) -> None:
+            with self._lock:
+                entry = self._alive.pop(key, None)
+                if entry is not None:
+                    self.held -= entry[1]
+
+        with self._lock:
+            self._alive[key] = (weakref.ref(copy, freed), nbytes)
+            self.held += nbytes
+            self.copied += nbytes
+            self.peak = max(self.peak, self.held)
+        return nbytes
+
+    def fits(self, nbytes: int) -> bool:
+        return self.held + nbytes <= self.budget
+
+    def over_budget(self, what: str, keeper: str) -> None:
+        """Say once that a graph gets no more copies, and what keeps it alive."""
+        self.refused.append(what)
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"versionwatch: repair budget of {size(self.budget)} reached ({size(self.held)} "
+            f"held by copies): {what} gets no copy, so its backward fails as it would without "
+            f"repair. {keeper}. Free the graphs you no longer need (del the loss, or detach "
+            "what you keep), or raise watch(..., repair_budget=...)",
+            InplaceHazardWarning, stacklevel=5)
+
+    def summary(self) -> dict[str, Any]:
+        """Counts and bytes: copies made, bytes copied, peak and current bytes held."""
+        return {"repairs": self.count, "copied_bytes": self.copied, "peak_bytes": self.peak,
+                "held_bytes": self.held, "budget_bytes": self.budget,
+                "refused": list(self.refused)}
+
+    def note(self, repair: Repair) -> None:
+        self.count += 1
+        self.repairs.append(repair)
+
+    # -- default mode: retained graphs -----------------------------------------------
+    def retain(self, outputs: Any, label: str, site: Site | None) -> None:
+        """A backward that keeps its graph ran on ``outputs``: remember them weakly."""
+        ts = [outputs] if isinstance(outputs, torch.Tensor) else (
+            list(outputs) if isinstance(outputs, (list, tuple)) else [])
+        with self._lock:
+            live = [r for r in self.roots if r.ref() is not None]
+            for t in ts:
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None \
+                        and not any(r.ref() is t for r in live):
+                    live.append(_Root(t, label, site))
+            self.roots = live
+
+    def before_step(self, params: Iterable[torch.Tensor], names: dict[int, str],
+                    step: str, site: Site | None) -> int:
+        """Copy every live saved slot holding a param the step is about to update.
+
+        Returns how many tensors got copies. A root whose graph died, or saves
+        no watched tensor any more, is let go: later steps skip it.
+        """
+        if not self.roots:
+            return 0
+        stepped = {id(p): p for p in params if p.grad is not None}
+        if not stepped:
+            return 0
+        before = self.count
+        dropped: list[_Root] = []
+        copies: dict[tuple[int, int], torch.Tensor] = {}
+        for root in list(self.roots):
+            t = root.ref()
+            fn = t.grad_fn if t is not None else None
+            del t
+            if fn is None or not self._repair_graph(fn, root, stepped, names, step, site,
+                                                    copies):
+                dropped.append(root)
+        with self._lock:
+            self.roots = [r for r in self.roots if r not in dropped]
+        return self.count - before
+
+    def _repair_graph(self, fn: Any, root: _Root, stepped: dict[int, torch.Tensor],
+                      names: dict[int, str], step: str, site: Site | None,
+                      copies: dict[tuple[int, int], torch.Tensor]) -> bool:
+        """Walk one retained graph; returns whether it still saves any watched tensor."""
+        graph = Graph([fn])
+        live = False
+        done: dict[str, tuple[int, str]] = {}
+        try:
+            for _, node, plan in _planned(graph.nodes, None):
+                if plan is _COPY_SLICES:
+                    continue  # its saved tensors are out of Python's reach
+                for slot, raw_attr, saved_attr in plan:
+                    for raw, data in self._slots(node, raw_attr, saved_attr):
+                        base = data._base if data._base is not None else data
+                        key = id(base)
+                        if key not in names:
+                            continue
+                        live = True
+                        if key not in stepped or root.refused:
+                            continue
+                        copy = self._copy(data, base, copies)
+                        if copy is None:
+                            keeper = self._keeper(root)
+                            root.refused = True
+                            self.over_budget(f"the graph of {self._graph_label(node, root)}",
+                                             keeper)
+                            continue
+                        try:
+                            raw.register_hooks(_Keep(copy), unpack)
+                        except RuntimeError:
+                            continue  # a hook set meanwhile, or freed: PyTorch decides
+                        name = names[key]
+                        label = self._graph_label(node, root)
+                        nbytes, _ = done.get(name, (0, label))
+                        done[name] = (nbytes + copy.numel() * copy.element_size(), label)
+        finally:
+            lease(graph)
+        for name, (nbytes, label) in done.items():
+            self.note(Repair(tensor=name, nbytes=nbytes, graph=label, before=step, site=site))
+        return live
+
+    def _copy(self, data: torch.Tensor, base: torch.Tensor,
+              copies: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor | None:
+        """A copy of ``data``: a view of one shared copy of its base where the layout allows."""
+        ckey = (id(base), base._version)
+        shared = base.is_contiguous() and not base.is_sparse
+        whole = copies.get(ckey) if shared else None
+        if whole is None:
+            source = base if shared else data
+            nbytes = source.numel() * source.element_size()
+            if not self.fits(nbytes):
+                return None
+            with torch.no_grad():
+                whole = source.clone()
+            self._hold(whole)
+            if not shared:
+                return whole
+            copies[ckey] = whole
+        if data is base:
+            return whole
+        return whole.as_strided(data.size(), data.stride(),
+                                data.storage_offset() - base.storage_offset())
+
+    @staticmethod
+    def _slots(node: Any, raw_attr: str, saved_attr: str) -> list[tuple[Any, torch.Tensor]]:
+        """``(raw, tensor)`` of the live, unhooked, up-to-date tensors in one slot."""
+        try:
+            raws = getattr(node, raw_attr)
+        except RuntimeError:
+            return []
+        many = isinstance(raws, (list, tuple))
+        raw_list = list(raws) if many else [raws]
+        out: list[tuple[Any, torch.Tensor]] = []
+        if SAVED_INTROSPECTION:
+            for raw in raw_list:
+                if raw is None or raw.unpack_hook is not None:
+                    continue
+                data = raw.data
+                if not isinstance(data, torch.Tensor):
+                    continue  # freed, or nothing saved
+                try:
+                    # PyTorch's own check: a stale slot stays as it is, and fails.
+                    if many:
+                        if not SAVED_UNPACK:
+                            continue
+                        raw.unpack()
+                    else:
+                        getattr(node, saved_attr)
+                except RuntimeError:
+                    continue
+                out.append((raw, data))
+            return out
+        # Old torch hides a raw saved tensor's data: read the slot, refusing any hook.
+        try:
+            value, records = peek(node, saved_attr)
+        except (HookedSaved, RuntimeError):
+            return []
+        if records:
+            return []
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if len(values) != len(raw_list):
+            return []
+        for raw, data in zip(raw_list, values):
+            if isinstance(data, torch.Tensor) and raw is not None:
+                out.append((raw, data))
+        return out
+
+    def _graph_label(self, node: Any, root: _Root) -> str:
+        """``forward #7``: the watched forward that made ``node``, else the retained backward."""
+        w = self._watcher()
+        if w is not None:
+            seq = node._sequence_nr()
+            me = threading.get_ident()
+            for ev in reversed(list(w.ledger.events)):
+                if ev.kind == "forward" and ev.seq is not None and ev.thread == me \
+                        and ev.seq <= seq:
+                    return str(ev.label)
+        return f"the loss of {root.label}"
+
+    @staticmethod
+    def _keeper(root: _Root) -> str:
+        """What keeps a retained graph alive, in words (the rare, over-budget path)."""
+        where = f" at {root.site}" if root.site else ""
+        text = f"It is kept alive by the output of {root.label}{where} (retain_graph=True)"
+        t = root.ref()
+        if t is not None:
+            holders = [r for r in gc.get_referrers(t) if isinstance(r, list)]
+            if holders:
+                text += (f", held in a list of {len(holders[0])} items (like "
+                         "losses.append(loss)), which keeps every such graph alive")
+        return text
+
+
+# -- strict mode ----------------------------------------------------------------------
+
+def strict_hits(repairer: Repairer, names: dict[int, str], label: str, site: Site | None,
+                hits: list[tuple[torch.Tensor, Any]]) -> list[tuple[torch.Tensor, Any]]:
+    """Swap each hit record's tensor for a copy; return the hits left to record.
+
+    A record that is stale already, or was written silently before, keeps its
+    hazard. Records repaired earlier are written no more: their tensor is a copy.
+    """
+    left: list[tuple[torch.Tensor, Any]] = []
+    done: dict[str, tuple[int, str]] = {}
+    copies: dict[tuple[int, int], torch.Tensor] = {}
+    for t, rec in hits:
+        if rec in _REPAIRED:
+            continue
+        cur = rec.tensor
+        if cur._version != rec.version or rec._silent or rec in _REFUSED:
+            left.append((t, rec))
+            continue
+        base = cur._base if cur._base is not None else cur
+        copy = repairer._copy(cur, base, copies)
+        if copy is None:
+            _REFUSED.add(rec)
+            repairer.over_budget(f"the graph of {rec.forward or 'a forward'}",
+                                 "It is kept alive by a tensor (a loss, an output) you still hold")
+            left.append((t, rec))
+            continue
+        rec.tensor = copy
+        rec.version = copy._version
+        _REPAIRED.add(rec)
+        own, base_id = rec.ids
+        name = names.get(own) or (names.get(base_id) if base_id is not None else None)
+        if name is None:
+            name = "the output of " + (rec.module or "an op") if not cur.is_leaf else "a tensor"
+        graph = (rec.forward or "a forward").split(" at ")[0]
+        nbytes, _ = done.get(name, (0, graph))
+        done[name] = (nbytes + copy.numel() * copy.element_size(), graph)
+    for name, (nbytes, graph) in done.items():
+        repairer.note(Repair(tensor=name, nbytes=nbytes, graph=graph, before=label, site=site))
+    return left
+
+
+_REPAIRED: weakref.WeakSet[Any] = weakref.WeakSet()
+_REFUSED: weakref.WeakSet[Any] = weakref.WeakSet()
