@@ -47,7 +47,7 @@ from versionwatch._compat import (
 )
 from versionwatch._errors import InplaceHazardWarning
 from versionwatch._graph import Graph, lease
-from versionwatch._predict import _COPY_SLICES, TRUSTED_UNPACK, _planned
+from versionwatch._predict import _COPY_SLICES, _CUSTOM, _FREED, TRUSTED_UNPACK, _planned
 from versionwatch._report import Repair, Site, size
 
 _MIN_BUDGET = 64 << 20
@@ -163,25 +163,47 @@ class Repairer:
         self.count += 1
         self.repairs.append(repair)
 
-    # -- default mode: retained graphs -----------------------------------------------
+    # -- default mode: live graphs ---------------------------------------------------
     def retain(self, outputs: Any, label: str, site: Site | None) -> None:
         """A backward that keeps its graph ran on ``outputs``: remember them weakly."""
-        ts = [outputs] if isinstance(outputs, torch.Tensor) else (
-            list(outputs) if isinstance(outputs, (list, tuple)) else [])
+        self._remember(outputs, label, site)
+
+    def outputs(self, result: Any, label: str) -> None:
+        """A watched forward returned ``result``: remember its tensors weakly.
+
+        A graph that no backward has run on yet (the seed story's second loss,
+        a GAN's generator loss through the discriminator) is known this way.
+        """
+        self._remember(result, label, None)
+
+    def _remember(self, value: Any, label: str, site: Site | None) -> None:
+        if isinstance(value, torch.Tensor):
+            ts = [value]
+        elif isinstance(value, (list, tuple)):
+            ts = [t for t in value if isinstance(t, torch.Tensor)]
+        elif isinstance(value, dict):
+            ts = [t for t in value.values() if isinstance(t, torch.Tensor)]
+        else:
+            return
+        ts = [t for t in ts if t.grad_fn is not None]
+        if not ts:
+            return
         with self._lock:
-            live = [r for r in self.roots if r.ref() is not None]
+            roots = self.roots
+            if len(roots) >= 16:  # outputs nobody backwarded (evaluation under grad)
+                roots = [r for r in roots if r.ref() is not None]
             for t in ts:
-                if isinstance(t, torch.Tensor) and t.grad_fn is not None \
-                        and not any(r.ref() is t for r in live):
-                    live.append(_Root(t, label, site))
-            self.roots = live
+                if not any(r.ref() is t for r in roots):
+                    roots.append(_Root(t, label, site))
+            self.roots = roots
 
     def before_step(self, params: Iterable[torch.Tensor], names: dict[int, str],
                     step: str, site: Site | None) -> int:
         """Copy every live saved slot holding a param the step is about to update.
 
-        Returns how many tensors got copies. A root whose graph died, or saves
-        no watched tensor any more, is let go: later steps skip it.
+        Returns how many tensors got copies. A root whose graph died (the
+        common case: backward freed it), or that saves no watched tensor any
+        more, is let go: later steps skip it.
         """
         if not self.roots:
             return 0
@@ -189,54 +211,60 @@ class Repairer:
         if not stepped:
             return 0
         before = self.count
-        dropped: list[_Root] = []
-        copies: dict[tuple[int, int], torch.Tensor] = {}
-        for root in list(self.roots):
+        seen = list(self.roots)
+        live: list[_Root] = []
+        fns: list[Any] = []
+        for root in seen:
             t = root.ref()
             fn = t.grad_fn if t is not None else None
             del t
-            if fn is None or not self._repair_graph(fn, root, stepped, names, step, site,
-                                                    copies):
-                dropped.append(root)
+            if fn is not None and not _freed(fn):
+                live.append(root)
+                fns.append(fn)
+        if fns and not self._repair_graph(fns, live, stepped, names, step, site):
+            live = []
         with self._lock:
-            self.roots = [r for r in self.roots if r not in dropped]
+            # Roots another thread added meanwhile stay.
+            self.roots = live + [r for r in self.roots if not any(r is o for o in seen)]
         return self.count - before
 
-    def _repair_graph(self, fn: Any, root: _Root, stepped: dict[int, torch.Tensor],
-                      names: dict[int, str], step: str, site: Site | None,
-                      copies: dict[tuple[int, int], torch.Tensor]) -> bool:
-        """Walk one retained graph; returns whether it still saves any watched tensor."""
-        graph = Graph([fn])
+    def _repair_graph(self, fns: list[Any], roots: list[_Root], stepped: dict[int, torch.Tensor],
+                      names: dict[int, str], step: str, site: Site | None) -> bool:
+        """Walk the live graphs; returns whether they still save any watched tensor."""
+        graph = Graph(fns)
         live = False
+        refused = any(r.refused for r in roots)
         done: dict[str, tuple[int, str]] = {}
+        copies: dict[tuple[int, int], torch.Tensor] = {}
         try:
             for _, node, plan in _planned(graph.nodes, None):
                 if plan is _COPY_SLICES:
                     continue  # its saved tensors are out of Python's reach
-                for slot, raw_attr, saved_attr in plan:
+                for _, raw_attr, saved_attr in plan:
                     for raw, data in self._slots(node, raw_attr, saved_attr):
                         base = data._base if data._base is not None else data
                         key = id(base)
                         if key not in names:
                             continue
                         live = True
-                        if key not in stepped or root.refused:
+                        if key not in stepped or refused:
                             continue
-                        copy = self._copy(data, base, copies)
-                        if copy is None:
-                            keeper = self._keeper(root)
-                            root.refused = True
-                            self.over_budget(f"the graph of {self._graph_label(node, root)}",
-                                             keeper)
+                        made = self._copy(data, base, copies)
+                        if made is None:
+                            refused = True
+                            for r in roots:
+                                r.refused = True
+                            self.over_budget(f"the graph of {self._graph_label(node, roots)}",
+                                             self._keeper(roots))
                             continue
+                        copy, nbytes = made
                         try:
                             raw.register_hooks(_Keep(copy), unpack)
                         except RuntimeError:
                             continue  # a hook set meanwhile, or freed: PyTorch decides
                         name = names[key]
-                        label = self._graph_label(node, root)
-                        nbytes, _ = done.get(name, (0, label))
-                        done[name] = (nbytes + copy.numel() * copy.element_size(), label)
+                        total, label = done.get(name, (0, self._graph_label(node, roots)))
+                        done[name] = (total + nbytes, label)
         finally:
             lease(graph)
         for name, (nbytes, label) in done.items():
@@ -244,11 +272,16 @@ class Repairer:
         return live
 
     def _copy(self, data: torch.Tensor, base: torch.Tensor,
-              copies: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor | None:
-        """A copy of ``data``: a view of one shared copy of its base where the layout allows."""
+              copies: dict[tuple[int, int], torch.Tensor]) -> tuple[torch.Tensor, int] | None:
+        """A copy of ``data`` and the bytes newly copied for it, or None over budget.
+
+        Views of one contiguous base (``weight.t()`` saved by every time step
+        of an unrolled RNN) share one copy of the base.
+        """
         ckey = (id(base), base._version)
         shared = base.is_contiguous() and not base.is_sparse
         whole = copies.get(ckey) if shared else None
+        nbytes = 0
         if whole is None:
             source = base if shared else data
             nbytes = source.numel() * source.element_size()
@@ -258,12 +291,12 @@ class Repairer:
                 whole = source.clone()
             self._hold(whole)
             if not shared:
-                return whole
+                return whole, nbytes
             copies[ckey] = whole
         if data is base:
-            return whole
+            return whole, nbytes
         return whole.as_strided(data.size(), data.stride(),
-                                data.storage_offset() - base.storage_offset())
+                                data.storage_offset() - base.storage_offset()), nbytes
 
     @staticmethod
     def _slots(node: Any, raw_attr: str, saved_attr: str) -> list[tuple[Any, torch.Tensor]]:
@@ -309,8 +342,8 @@ class Repairer:
                 out.append((raw, data))
         return out
 
-    def _graph_label(self, node: Any, root: _Root) -> str:
-        """``forward #7``: the watched forward that made ``node``, else the retained backward."""
+    def _graph_label(self, node: Any, roots: list[_Root]) -> str:
+        """``forward #7``: the watched forward that made ``node``, else the root's story."""
         w = self._watcher()
         if w is not None:
             seq = node._sequence_nr()
@@ -319,20 +352,58 @@ class Repairer:
                 if ev.kind == "forward" and ev.seq is not None and ev.thread == me \
                         and ev.seq <= seq:
                     return str(ev.label)
-        return f"the loss of {root.label}"
+        return f"the output of {roots[0].label}" if roots else "a live graph"
 
     @staticmethod
-    def _keeper(root: _Root) -> str:
-        """What keeps a retained graph alive, in words (the rare, over-budget path)."""
-        where = f" at {root.site}" if root.site else ""
-        text = f"It is kept alive by the output of {root.label}{where} (retain_graph=True)"
-        t = root.ref()
-        if t is not None:
-            holders = [r for r in gc.get_referrers(t) if isinstance(r, list)]
-            if holders:
-                text += (f", held in a list of {len(holders[0])} items (like "
-                         "losses.append(loss)), which keeps every such graph alive")
-        return text
+    def _keeper(roots: list[_Root]) -> str:
+        """What keeps the live graphs alive, in words (the rare, over-budget path)."""
+        parts = []
+        for root in roots[:3]:
+            where = f" at {root.site}" if root.site else ""
+            how = " (retain_graph=True)" if root.label.startswith("backward") else ""
+            text = f"the output of {root.label}{where}{how}"
+            t = root.ref()
+            if t is not None:
+                holders = [r for r in gc.get_referrers(t) if isinstance(r, list)]
+                if holders:
+                    text += (f", held in a list of {len(holders[0])} items (like "
+                             "losses.append(loss)), which keeps every such graph alive")
+            parts.append(text)
+        return "It is kept alive by " + "; ".join(parts) if parts else "It is still referenced"
+
+
+def _freed(fn: Any) -> bool:
+    """Whether backward already freed the graph under ``fn``: the common case, made cheap.
+
+    The nearest node that saves a tensor tells (PyTorch frees a graph from its
+    root down). A slot that cannot be read without running a user's hook, or
+    no such node near the root, counts as live: the walk decides.
+    """
+    nodes = [fn]
+    for node in nodes:
+        for _, _, plan in _planned([node], None):
+            if plan is _COPY_SLICES or plan is _CUSTOM:
+                return False
+            for _, raw_attr, saved_attr in plan:
+                try:
+                    if SAVED_INTROSPECTION:
+                        raw = getattr(node, raw_attr)
+                        if isinstance(raw, (list, tuple)):
+                            continue
+                        if raw.unpack_hook is not None and raw.unpack_hook not in TRUSTED_UNPACK:
+                            return False
+                        value = getattr(node, saved_attr)
+                    else:
+                        value, _ = peek(node, saved_attr)
+                except HookedSaved:
+                    return False
+                except RuntimeError as e:
+                    return _FREED in str(e)
+                if value is not None:
+                    return False
+        if len(nodes) < 8:
+            nodes += [n for n, _ in node.next_functions if n is not None]
+    return False
 
 
 # -- strict mode ----------------------------------------------------------------------
@@ -355,13 +426,14 @@ def strict_hits(repairer: Repairer, names: dict[int, str], label: str, site: Sit
             left.append((t, rec))
             continue
         base = cur._base if cur._base is not None else cur
-        copy = repairer._copy(cur, base, copies)
-        if copy is None:
+        made = repairer._copy(cur, base, copies)
+        if made is None:
             _REFUSED.add(rec)
             repairer.over_budget(f"the graph of {rec.forward or 'a forward'}",
                                  "It is kept alive by a tensor (a loss, an output) you still hold")
             left.append((t, rec))
             continue
+        copy, nbytes = made
         rec.tensor = copy
         rec.version = copy._version
         _REPAIRED.add(rec)
@@ -370,8 +442,8 @@ def strict_hits(repairer: Repairer, names: dict[int, str], label: str, site: Sit
         if name is None:
             name = "the output of " + (rec.module or "an op") if not cur.is_leaf else "a tensor"
         graph = (rec.forward or "a forward").split(" at ")[0]
-        nbytes, _ = done.get(name, (0, graph))
-        done[name] = (nbytes + copy.numel() * copy.element_size(), graph)
+        total, _ = done.get(name, (0, graph))
+        done[name] = (total + nbytes, graph)
     for name, (nbytes, graph) in done.items():
         repairer.note(Repair(tensor=name, nbytes=nbytes, graph=graph, before=label, site=site))
     return left
