@@ -207,9 +207,6 @@ class Repairer:
         """
         if not self.roots:
             return 0
-        stepped = {id(p): p for p in params if p.grad is not None}
-        if not stepped:
-            return 0
         before = self.count
         seen = list(self.roots)
         live: list[_Root] = []
@@ -221,8 +218,10 @@ class Repairer:
             if fn is not None and not _freed(fn):
                 live.append(root)
                 fns.append(fn)
-        if fns and not self._repair_graph(fns, live, stepped, names, step, site):
-            live = []
+        if fns:
+            stepped = {id(p): p for p in params if p.grad is not None}
+            if stepped and not self._repair_graph(fns, live, stepped, names, step, site):
+                live = []
         with self._lock:
             # Roots another thread added meanwhile stay.
             self.roots = live + [r for r in self.roots if not any(r is o for o in seen)]
@@ -241,13 +240,14 @@ class Repairer:
                 if plan is _COPY_SLICES:
                     continue  # its saved tensors are out of Python's reach
                 for _, raw_attr, saved_attr in plan:
-                    for raw, data in self._slots(node, raw_attr, saved_attr):
+                    for raw, data, how in self._slots(node, raw_attr, saved_attr):
                         base = data._base if data._base is not None else data
                         key = id(base)
                         if key not in names:
                             continue
                         live = True
-                        if key not in stepped or refused:
+                        if key not in stepped or refused \
+                                or not self._fresh(node, raw, saved_attr, how):
                             continue
                         made = self._copy(data, base, copies)
                         if made is None:
@@ -299,34 +299,25 @@ class Repairer:
                                 data.storage_offset() - base.storage_offset()), nbytes
 
     @staticmethod
-    def _slots(node: Any, raw_attr: str, saved_attr: str) -> list[tuple[Any, torch.Tensor]]:
-        """``(raw, tensor)`` of the live, unhooked, up-to-date tensors in one slot."""
+    def _slots(node: Any, raw_attr: str, saved_attr: str) -> list[tuple[Any, torch.Tensor, int]]:
+        """``(raw, tensor, how)`` of the live, unhooked tensors in one slot.
+
+        ``how`` says how to run PyTorch's version check on a match: 0 checked
+        already (old torch's read), 1 the slot's getter, 2 ``raw.unpack()``.
+        """
         try:
             raws = getattr(node, raw_attr)
         except RuntimeError:
             return []
-        many = isinstance(raws, (list, tuple))
-        raw_list = list(raws) if many else [raws]
-        out: list[tuple[Any, torch.Tensor]] = []
         if SAVED_INTROSPECTION:
-            for raw in raw_list:
-                if raw is None or raw.unpack_hook is not None:
-                    continue
-                data = raw.data
-                if not isinstance(data, torch.Tensor):
-                    continue  # freed, or nothing saved
-                try:
-                    # PyTorch's own check: a stale slot stays as it is, and fails.
-                    if many:
-                        if not SAVED_UNPACK:
-                            continue
-                        raw.unpack()
-                    else:
-                        getattr(node, saved_attr)
-                except RuntimeError:
-                    continue
-                out.append((raw, data))
-            return out
+            if not isinstance(raws, (list, tuple)):
+                if raws is None or raws.unpack_hook is not None:
+                    return []
+                data = raws.data
+                return [(raws, data, 1)] if isinstance(data, torch.Tensor) else []
+            return [(raw, raw.data, 2) for raw in raws
+                    if raw is not None and raw.unpack_hook is None
+                    and isinstance(raw.data, torch.Tensor)]
         # Old torch hides a raw saved tensor's data: read the slot, refusing any hook.
         try:
             value, records = peek(node, saved_attr)
@@ -334,13 +325,27 @@ class Repairer:
             return []
         if records:
             return []
+        many = isinstance(raws, (list, tuple))
+        raw_list = list(raws) if many else [raws]
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         if len(values) != len(raw_list):
             return []
-        for raw, data in zip(raw_list, values):
-            if isinstance(data, torch.Tensor) and raw is not None:
-                out.append((raw, data))
-        return out
+        return [(raw, data, 0) for raw, data in zip(raw_list, values)
+                if isinstance(data, torch.Tensor) and raw is not None]
+
+    @staticmethod
+    def _fresh(node: Any, raw: Any, saved_attr: str, how: int) -> bool:
+        """PyTorch's own check: a stale slot stays as it is, and fails as it would."""
+        try:
+            if how == 1:
+                getattr(node, saved_attr)
+            elif how == 2:
+                if not SAVED_UNPACK:
+                    return False
+                raw.unpack()
+        except RuntimeError:
+            return False
+        return True
 
     def _graph_label(self, node: Any, roots: list[_Root]) -> str:
         """``forward #7``: the watched forward that made ``node``, else the root's story."""
@@ -376,8 +381,10 @@ def _freed(fn: Any) -> bool:
     """Whether backward already freed the graph under ``fn``: the common case, made cheap.
 
     The nearest node that saves a tensor tells (PyTorch frees a graph from its
-    root down). A slot that cannot be read without running a user's hook, or
-    no such node near the root, counts as live: the walk decides.
+    root down): on torch that shows a raw saved tensor's data, a freed slot
+    holds none. Old torch reads the slot (refusing hooks) and PyTorch's error
+    says. A slot that cannot be read, or no such node near the root, counts as
+    live: the walk decides.
     """
     nodes = [fn]
     for node in nodes:
@@ -385,22 +392,22 @@ def _freed(fn: Any) -> bool:
             if plan is _COPY_SLICES or plan is _CUSTOM:
                 return False
             for _, raw_attr, saved_attr in plan:
+                if SAVED_INTROSPECTION:
+                    raw = getattr(node, raw_attr)
+                    if isinstance(raw, (list, tuple)):
+                        return False
+                    if raw.data is not None:
+                        return False
+                    continue  # freed, or a slot that saved nothing: the next one says
                 try:
-                    if SAVED_INTROSPECTION:
-                        raw = getattr(node, raw_attr)
-                        if isinstance(raw, (list, tuple)):
-                            continue
-                        if raw.unpack_hook is not None and raw.unpack_hook not in TRUSTED_UNPACK:
-                            return False
-                        value = getattr(node, saved_attr)
-                    else:
-                        value, _ = peek(node, saved_attr)
+                    value, _ = peek(node, saved_attr)
                 except HookedSaved:
                     return False
                 except RuntimeError as e:
                     return _FREED in str(e)
                 if value is not None:
                     return False
+            return SAVED_INTROSPECTION  # every slot of the node is empty
         if len(nodes) < 8:
             nodes += [n for n, _ in node.next_functions if n is not None]
     return False
