@@ -42,6 +42,7 @@ from versionwatch._compat import (
     SAVED_INTROSPECTION,
     SAVED_UNPACK,
     HookedSaved,
+    SavedTensor,
     allow_in_peek,
     peek,
 )
@@ -51,6 +52,7 @@ from versionwatch._predict import _COPY_SLICES, _CUSTOM, _FREED, TRUSTED_UNPACK,
 from versionwatch._report import Repair, Site, size
 
 _MIN_BUDGET = 64 << 20
+_SavedTensor: Any = SavedTensor
 
 
 def unpack(copy: torch.Tensor) -> torch.Tensor:
@@ -104,6 +106,7 @@ class Repairer:
         self._warned = False
         self._lock = threading.Lock()
         self._alive: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._default = (-1, _MIN_BUDGET)  # (watched tensors counted, default budget)
 
     # -- budget and accounting -----------------------------------------------------
     @property
@@ -112,13 +115,17 @@ class Repairer:
         if self._budget is not None:
             return self._budget
         w = self._watcher()
-        total = 0
-        if w is not None:
-            for tr in list(w.ledger.tracked.values()):
+        if w is None:
+            return _MIN_BUDGET
+        tracked = w.ledger.tracked
+        if self._default[0] != len(tracked):  # recounted only when the watched set changes
+            total = 0
+            for tr in list(tracked.values()):
                 t = tr.ref()
                 if t is not None:
                     total += t.numel() * t.element_size()
-        return max(_MIN_BUDGET, 2 * total)
+            self._default = (len(tracked), max(_MIN_BUDGET, 2 * total))
+        return self._default[1]
 
     def _hold(self, copy: torch.Tensor) -> int:
         nbytes = copy.numel() * copy.element_size()
@@ -229,47 +236,82 @@ class Repairer:
 
     def _repair_graph(self, fns: list[Any], roots: list[_Root], stepped: dict[int, torch.Tensor],
                       names: dict[int, str], step: str, site: Site | None) -> bool:
-        """Walk the live graphs; returns whether they still save any watched tensor."""
+        """Walk the live graphs; returns whether they still save any watched tensor.
+
+        The hot loop: per saved slot, one raw read, its hook and its data; a
+        slot that holds a stepped parameter then gets PyTorch's check and a copy.
+        """
         graph = Graph(fns)
         live = False
-        refused = any(r.refused for r in roots)
-        done: dict[str, tuple[int, str]] = {}
-        copies: dict[tuple[int, int], torch.Tensor] = {}
+        matches: list[tuple[Any, Any, torch.Tensor, int, str]] = []
+        intro = SAVED_INTROSPECTION
         try:
             for _, node, plan in _planned(graph.nodes, None):
                 if plan is _COPY_SLICES:
                     continue  # its saved tensors are out of Python's reach
                 for _, raw_attr, saved_attr in plan:
-                    for raw, data, how in self._slots(node, raw_attr, saved_attr):
-                        base = data._base if data._base is not None else data
-                        key = id(base)
-                        if key not in names:
-                            continue
-                        live = True
-                        if key not in stepped or refused \
-                                or not self._fresh(node, raw, saved_attr, how):
-                            continue
-                        made = self._copy(data, base, copies)
-                        if made is None:
-                            refused = True
-                            for r in roots:
-                                r.refused = True
-                            self.over_budget(f"the graph of {self._graph_label(node, roots)}",
-                                             self._keeper(roots))
-                            continue
-                        copy, nbytes = made
+                    if intro:
                         try:
-                            raw.register_hooks(_Keep(copy), unpack)
+                            raw = getattr(node, raw_attr)
                         except RuntimeError:
-                            continue  # a hook set meanwhile, or freed: PyTorch decides
-                        name = names[key]
-                        total, label = done.get(name, (0, self._graph_label(node, roots)))
-                        done[name] = (total + nbytes, label)
+                            continue
+                        if raw.__class__ is _SavedTensor:
+                            if raw.unpack_hook is not None:
+                                continue
+                            data = raw.data
+                            if data is None:
+                                continue  # freed, or nothing saved
+                            base = data._base
+                            key = id(data if base is None else base)
+                            if key in names:
+                                live = True
+                                if key in stepped:
+                                    matches.append((node, raw, data, 1, saved_attr))
+                            continue
+                    for raw, data, how in self._slots(node, raw_attr, saved_attr):
+                        base = data._base
+                        key = id(data if base is None else base)
+                        if key in names:
+                            live = True
+                            if key in stepped:
+                                matches.append((node, raw, data, how, saved_attr))
+            if matches:
+                self._repair_matches(matches, roots, names, step, site)
         finally:
+            matches = []
             lease(graph)
+        return live
+
+    def _repair_matches(self, matches: list[tuple[Any, Any, torch.Tensor, int, str]],
+                        roots: list[_Root], names: dict[int, str], step: str,
+                        site: Site | None) -> None:
+        refused = any(r.refused for r in roots)
+        done: dict[str, tuple[int, str]] = {}
+        copies: dict[tuple[int, int], torch.Tensor] = {}
+        for node, raw, data, how, saved_attr in matches:
+            if refused or not self._fresh(node, raw, saved_attr, how):
+                continue
+            base = data._base if data._base is not None else data
+            made = self._copy(data, base, copies)
+            if made is None:
+                refused = True
+                for r in roots:
+                    r.refused = True
+                self.over_budget(f"the graph of {self._graph_label(node, roots)}",
+                                 self._keeper(roots))
+                continue
+            copy, nbytes = made
+            try:
+                raw.register_hooks(_Keep(copy), unpack)
+            except RuntimeError:
+                continue  # a hook set meanwhile, or freed: PyTorch decides
+            name = names[id(base)]
+            entry = done.get(name)
+            if entry is None:
+                entry = (0, self._graph_label(node, roots))
+            done[name] = (entry[0] + nbytes, entry[1])
         for name, (nbytes, label) in done.items():
             self.note(Repair(tensor=name, nbytes=nbytes, graph=label, before=step, site=site))
-        return live
 
     def _copy(self, data: torch.Tensor, base: torch.Tensor,
               copies: dict[tuple[int, int], torch.Tensor]) -> tuple[torch.Tensor, int] | None:
@@ -353,7 +395,7 @@ class Repairer:
         if w is not None:
             seq = node._sequence_nr()
             me = threading.get_ident()
-            for ev in reversed(list(w.ledger.events)):
+            for ev in reversed(w.ledger.events):  # the newest forward that began before it
                 if ev.kind == "forward" and ev.seq is not None and ev.thread == me \
                         and ev.seq <= seq:
                     return str(ev.label)
