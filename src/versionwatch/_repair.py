@@ -466,7 +466,9 @@ def strict_hits(repairer: Repairer, names: dict[int, str], label: str, site: Sit
     """
     left: list[tuple[torch.Tensor, Any]] = []
     done: dict[str, tuple[int, str]] = {}
-    copies: dict[tuple[int, int], torch.Tensor] = {}
+    # Records of one memory (sigmoid's result and the next layer's input are
+    # one tensor, saved twice) share one copy.
+    shared: dict[tuple[Any, ...], torch.Tensor] = {}
     for t, rec in hits:
         if rec in _REPAIRED:
             continue
@@ -474,28 +476,40 @@ def strict_hits(repairer: Repairer, names: dict[int, str], label: str, site: Sit
         if cur._version != rec.version or rec._silent or rec in _REFUSED:
             left.append((t, rec))
             continue
-        base = cur._base if cur._base is not None else cur
-        made = repairer._copy(cur, base, copies)
-        if made is None:
-            _REFUSED.add(rec)
-            repairer.over_budget(f"the graph of {rec.forward or 'a forward'}",
-                                 "It is kept alive by a tensor (a loss, an output) you still hold")
-            left.append((t, rec))
-            continue
-        copy, nbytes = made
+        geometry = (cur.data_ptr(), cur.dtype, tuple(cur.shape), cur.stride(), cur._version)
+        copy = shared.get(geometry)
+        nbytes = 0
+        if copy is None:
+            made = repairer._copy(cur, cur, {})
+            if made is None:
+                _REFUSED.add(rec)
+                repairer.over_budget(f"the graph of {_forward_of(rec)}",
+                                     "It is kept alive by a tensor (a loss, an output) you "
+                                     "still hold")
+                left.append((t, rec))
+                continue
+            copy, nbytes = made
+            shared[geometry] = copy
         rec.tensor = copy
         rec.version = copy._version
         _REPAIRED.add(rec)
         own, base_id = rec.ids
         name = names.get(own) or (names.get(base_id) if base_id is not None else None)
         if name is None:
-            name = "the output of " + (rec.module or "an op") if not cur.is_leaf else "a tensor"
-        graph = (rec.forward or "a forward").split(" at ")[0]
-        total, _ = done.get(name, (0, graph))
-        done[name] = (total + nbytes, graph)
+            what = f"{str(cur.dtype).replace('torch.', '')}{list(cur.shape)}"
+            name = f"an activation ({what}"
+            name += f", saved in {rec.module})" if rec.module else ")"
+        entry = done.get(name)
+        if entry is None:
+            entry = (0, _forward_of(rec))
+        done[name] = (entry[0] + nbytes, entry[1])
     for name, (nbytes, graph) in done.items():
         repairer.note(Repair(tensor=name, nbytes=nbytes, graph=graph, before=label, site=site))
     return left
+
+
+def _forward_of(rec: Any) -> str:
+    return rec.forward.split(" at ")[0] if rec.forward else "code outside watched forwards"
 
 
 _REPAIRED: weakref.WeakSet[Any] = weakref.WeakSet()
