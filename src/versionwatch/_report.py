@@ -179,6 +179,19 @@ class Repair:
         graph: the graph that saved it (``"forward #7"``).
         before: the write it was copied before (``"Adam.step() #12"``).
         site: where that write was called, when known.
+
+    Example:
+        >>> import torch, versionwatch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with versionwatch.watch(model, opt, on_hazard="repair") as w:
+        ...     loss = (model(torch.ones(1, 2)) * model.weight).sum()  # saves the weight
+        ...     loss.backward(retain_graph=True)
+        ...     opt.step()
+        ...     loss.backward()  # the weight as the forward saw it
+        >>> r = w.repairs[0]
+        >>> r.tensor, r.nbytes, r.graph, r.before
+        ('model.weight', 8, 'forward #1', 'SGD.step() #1')
     """
 
     tensor: str

@@ -586,6 +586,13 @@ class Watcher:
 
         Raises:
             RuntimeError: the watcher's policy is not ``"repair"``.
+
+        Example:
+            >>> import torch, versionwatch
+            >>> model = torch.nn.Linear(2, 1)
+            >>> with versionwatch.watch(model, on_hazard="repair") as w:
+            ...     w.repair_summary()["repairs"]
+            0
         """
         if self._repair is None:
             raise RuntimeError(f"repair_summary() needs watch(..., on_hazard='repair'); this "
