@@ -546,6 +546,9 @@ class Watcher:
         _LOCAL.busy = True  # our walk and copies are no user events
         try:
             n = repairer.before_step(params, names, label, site)
+        except Exception:  # never break the user's step: unrepaired is raised as today
+            logger.debug("versionwatch: repair before %s failed", label, exc_info=True)
+            n = 0
         finally:
             _LOCAL.busy = False
         if n:
@@ -558,7 +561,11 @@ class Watcher:
         if repairer is None or self._closed:
             return hits
         before = repairer.count
-        left = _repair.strict_hits(repairer, self._names, label, site, hits)
+        try:
+            left = _repair.strict_hits(repairer, self._names, label, site, hits)
+        except Exception:  # never break the user's write: unrepaired is raised as today
+            logger.debug("versionwatch: repair before %s failed", label, exc_info=True)
+            return hits
         if repairer.count > before:
             self._record_repairs(repairer.count - before, label, site)
         return left
