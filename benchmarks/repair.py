@@ -16,7 +16,9 @@ configuration alike; ratios are paired per round.
    generator's loss then runs backward through the discriminator's graph,
    which saved the old weights. ``hand_clone`` is the unwatched loop whose
    discriminator clones its weights in forward (the usual fix);
-   ``watch_repair`` the same program unchanged under repair;
+   ``watch_hand_clone`` that loop watched in default mode (what watching
+   costs before any repair); ``watch_repair`` the same program unchanged
+   under repair;
    ``allow_mutation`` the unchanged program inside
    ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` around each step.
 
@@ -156,6 +158,9 @@ GanConfig = tuple[str, Gan, Callable[[Gan], Any], Callable[[], Any]]
 def part2(quick: bool) -> dict[str, float]:
     configs: list[GanConfig] = [
         ("hand_clone", Gan(clone=True), lambda g: contextlib.nullcontext(),
+         contextlib.nullcontext),
+        ("watch_hand_clone", Gan(clone=True),
+         lambda g: versionwatch.watch({"G": g.G, "D": g.D}, g.opt_g, g.opt_d),
          contextlib.nullcontext),
         ("watch_repair", Gan(clone=False),
          lambda g: versionwatch.watch({"G": g.G, "D": g.D}, g.opt_g, g.opt_d,

@@ -240,41 +240,70 @@ class Repairer:
 
         The hot loop: per saved slot, one raw read, its hook and its data; a
         slot that holds a stepped parameter then gets PyTorch's check and a copy.
+        The walk stops at a node whose saved tensors backward freed: a backward
+        frees every node it runs, so what lies below was freed with it (a
+        generator's graph under a discriminator's, after the generator's loss
+        ran backward). Walked nodes are leased as the predictor's are.
         """
-        graph = Graph(fns)
+        graph = Graph()
+        nodes, index, nexts = graph.nodes, graph.index, graph.nexts
+        for f in fns:
+            if f not in index:
+                index[f] = len(nodes)
+                nodes.append(f)
+            graph.roots.append(index[f])
+        graph.ordered = False
         live = False
         matches: list[tuple[Any, Any, torch.Tensor, int, str]] = []
         intro = SAVED_INTROSPECTION
         try:
-            for _, node, plan in _planned(graph.nodes, None):
-                if plan is _COPY_SLICES:
-                    continue  # its saved tensors are out of Python's reach
-                for _, raw_attr, saved_attr in plan:
-                    if intro:
-                        try:
-                            raw = getattr(node, raw_attr)
-                        except RuntimeError:
-                            continue
-                        if raw.__class__ is _SavedTensor:
-                            if raw.unpack_hook is not None:
+            i = 0
+            while i < len(nodes):
+                node = nodes[i]
+                i += 1
+                freed = False
+                for _, _, plan in _planned((node,), None):
+                    if plan is _COPY_SLICES:
+                        continue  # its saved tensors are out of Python's reach
+                    freed = intro and plan is not _CUSTOM
+                    for _, raw_attr, saved_attr in plan:
+                        if intro:
+                            try:
+                                raw = getattr(node, raw_attr)
+                            except RuntimeError:
                                 continue
-                            data = raw.data
-                            if data is None:
-                                continue  # freed, or nothing saved
+                            if raw.__class__ is _SavedTensor:
+                                if raw.unpack_hook is not None:
+                                    freed = False
+                                    continue
+                                data = raw.data
+                                if data is None:
+                                    continue  # freed, or nothing saved
+                                freed = False
+                                base = data._base
+                                key = id(data if base is None else base)
+                                if key in names:
+                                    live = True
+                                    if key in stepped:
+                                        matches.append((node, raw, data, 1, saved_attr))
+                                continue
+                            freed = False
+                        for raw, data, how in self._slots(node, raw_attr, saved_attr):
                             base = data._base
                             key = id(data if base is None else base)
                             if key in names:
                                 live = True
                                 if key in stepped:
-                                    matches.append((node, raw, data, 1, saved_attr))
-                            continue
-                    for raw, data, how in self._slots(node, raw_attr, saved_attr):
-                        base = data._base
-                        key = id(data if base is None else base)
-                        if key in names:
-                            live = True
-                            if key in stepped:
-                                matches.append((node, raw, data, how, saved_attr))
+                                    matches.append((node, raw, data, how, saved_attr))
+                if freed:
+                    nexts.append(())
+                    continue
+                nf = node.next_functions
+                nexts.append(nf)
+                for fn, _ in nf:
+                    if fn is not None and fn not in index:
+                        index[fn] = len(nodes)
+                        nodes.append(fn)
             if matches:
                 self._repair_matches(matches, roots, names, step, site)
         finally:

@@ -573,7 +573,7 @@ class Watcher:
     def _record_repairs(self, n: int, label: str, site: Site | None) -> None:
         repairer = self._repair
         assert repairer is not None
-        new = list(repairer.repairs)[-n:]
+        new = [repairer.repairs[-k] for k in range(min(n, len(repairer.repairs)), 0, -1)]
         nbytes = sum(r.nbytes for r in new)
         what = new[0].tensor if n == 1 else f"{n} tensors"
         self.ledger.record("repair", f"kept {what} ({size(nbytes)}) before {label}", site)
