@@ -63,3 +63,17 @@ def test_predict_cost_quick_prints_both_models() -> None:
     assert r.returncode == 0, r.stderr
     assert "| chain of 2,000 sin nodes | 2,002 | 2,000 |" in r.stdout
     assert "6-layer TransformerEncoder" in r.stdout and "us per saved tensor" in r.stdout
+
+
+def test_repair_benchmark_quick_prints_both_parts() -> None:
+    script = ROOT / "benchmarks" / "repair.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    r = subprocess.run([sys.executable, str(script), "--quick", "--models", "a"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    names = [row[0] for row in table_rows(r.stdout)]
+    for config in ("unwatched", "watch", "watch_repair", "hand_clone", "watch_hand_clone",
+                   "allow_mutation"):
+        assert config in names, r.stdout
+    assert "split: at forward" in r.stdout and "repair vs default mode" in r.stdout

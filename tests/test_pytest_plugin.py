@@ -89,3 +89,11 @@ def test_import_versionwatch_pulls_in_no_optional_integration():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_on_hazard_repair_option_repairs_what_a_step_overwrites(suite: pytest.Pytester):
+    # test_marked keeps its marker's "raise"; the others run under repair.
+    result = suite.runpytest_subprocess("--versionwatch", "--versionwatch-on-hazard", "repair",
+                                        "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["*FAILED test_suite.py::test_marked*"])

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
         InplaceModificationError,
     )
     from versionwatch._predict import assert_backward_safe, check
-    from versionwatch._report import Hazard, Modification, Report, Site
+    from versionwatch._report import Hazard, Modification, Repair, Report, Site
     from versionwatch._timeline import Timeline
     from versionwatch._watch import Watcher, watch
 
@@ -28,6 +28,7 @@ __all__ = [
     "InplaceHazardWarning",
     "InplaceModificationError",
     "Modification",
+    "Repair",
     "Report",
     "Site",
     "Timeline",
@@ -49,6 +50,7 @@ _WHERE = {
     "check": "_predict",
     "Hazard": "_explain",  # loads the renderers str(report) uses
     "Modification": "_explain",  # loads the renderers str(report) uses
+    "Repair": "_explain",  # loads the renderers str(report) uses
     "Report": "_explain",  # loads the renderers str(report) uses
     "Site": "_explain",  # loads the renderers str(report) uses
     "Timeline": "_timeline",

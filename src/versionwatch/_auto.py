@@ -25,8 +25,9 @@ class AutoWatcher(Watcher):
     """
 
     def __init__(self, on_hazard: Policy = "raise", strict: bool = False,
-                 stop_at_write: bool = False) -> None:
-        super().__init__({}, (), on_hazard, strict=strict, stop_at_write=stop_at_write)
+                 stop_at_write: bool = False, repair_budget: int | None = None) -> None:
+        super().__init__({}, (), on_hazard, strict=strict, stop_at_write=stop_at_write,
+                         repair_budget=repair_budget)
         # id -> weak reference of every module adopted or skipped: asked at each
         # module call, where a WeakSet's lookup cost four times as much.
         self._seen: dict[int, weakref.ref[nn.Module]] = {}
@@ -61,7 +62,7 @@ class AutoWatcher(Watcher):
 
 
 def watch_all(on_hazard: Policy = "raise", strict: bool = False,
-              stop_at_write: bool = False) -> AutoWatcher:
+              stop_at_write: bool = False, repair_budget: int | None = None) -> AutoWatcher:
     """Watch every module and optimizer the program uses from now on.
 
     This is what ``versionwatch run`` and ``pytest --versionwatch`` use. Root
@@ -72,6 +73,7 @@ def watch_all(on_hazard: Policy = "raise", strict: bool = False,
         on_hazard: as in :func:`versionwatch.watch`.
         strict: as in :func:`versionwatch.watch`.
         stop_at_write: as in :func:`versionwatch.watch`.
+        repair_budget: as in :func:`versionwatch.watch`.
 
     Example:
         >>> import torch, versionwatch
@@ -81,4 +83,4 @@ def watch_all(on_hazard: Policy = "raise", strict: bool = False,
         >>> sorted(w.ledger.by_name)
         ['model.bias', 'model.weight']
     """
-    return AutoWatcher(on_hazard, strict, stop_at_write)
+    return AutoWatcher(on_hazard, strict, stop_at_write, repair_budget)

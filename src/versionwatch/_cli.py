@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 from versionwatch._teardown import TermGuard
 
 USAGE = """\
-versionwatch run [--on-hazard raise|warn|log] [--json PATH] [--dot PATH] [--svg PATH]
+versionwatch run [--on-hazard raise|warn|log|repair] [--json PATH] [--dot PATH] [--svg PATH]
                  [--quiet] [--strict] [--stop-at-write] [--replay]
                  (SCRIPT | -m MODULE) [ARGS...]
 versionwatch merge [--json PATH] REPORT...
@@ -43,8 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         "belongs to the program, as with python. `--` ends versionwatch's options: "
         "`versionwatch run -- train.py --json x` passes `--json x` to train.py.",
     )
-    run.add_argument("--on-hazard", choices=("raise", "warn", "log"), default="raise",
-                     help="what a predicted hazard does (default: raise, exit status 1)")
+    run.add_argument("--on-hazard", choices=("raise", "warn", "log", "repair"), default="raise",
+                     help="what a predicted hazard does (default: raise, exit status 1); "
+                     "repair keeps copies so that backward after step() works (docs/repair.md)")
     run.add_argument("--json", metavar="PATH",
                      help="write the JSON report here, even if the script dies")
     run.add_argument("--dot", metavar="PATH", help="write a Graphviz picture of the hazards")
@@ -173,6 +174,9 @@ def _write_outputs(args: argparse.Namespace, watcher: Any, status: int,
         }
         if rank is not None:
             doc["rank"], doc["world_size"] = rank
+        if watcher.policy == "repair":
+            doc["repairs"] = [r.to_dict() for r in watcher.repairs]
+            doc["repair_summary"] = watcher.repair_summary()
         _write_file("--json", args.json, json.dumps(doc, indent=2) + "\n")
     if args.dot or args.svg:
         merged = Report(hazards=[h for r in reports for h in r.hazards])

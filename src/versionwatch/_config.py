@@ -7,8 +7,8 @@ from typing import Callable, Literal, Union
 
 from versionwatch._report import Report
 
-Policy = Union[Literal["raise", "warn", "log"], Callable[[Report], object]]
-POLICIES = ("raise", "warn", "log")
+Policy = Union[Literal["raise", "warn", "log", "repair"], Callable[[Report], object]]
+POLICIES = ("raise", "warn", "log", "repair")
 ENV_VAR = "VERSIONWATCH_ON_HAZARD"
 
 

@@ -28,7 +28,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--versionwatch-strict", action="store_true", default=False,
                     help="like --versionwatch, in strict mode (each write to a saved tensor "
                     "is caught at its line)")
-    group.addoption("--versionwatch-on-hazard", choices=("raise", "warn", "log"),
+    group.addoption("--versionwatch-on-hazard", choices=("raise", "warn", "log", "repair"),
                     default="raise", help="what a hazard does under --versionwatch")
 
 

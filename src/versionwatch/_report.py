@@ -204,6 +204,57 @@ class Hazard:
         return d
 
 
+def size(n: int) -> str:
+    """Bytes in the units the reports use: ``1.0 MiB``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class Repair:
+    """A copy that ``on_hazard="repair"`` kept for a live graph before a write.
+
+    Attributes:
+        tensor: the watched tensor (``"D.fc.weight"``), or what it was.
+        nbytes: bytes copied for it (views of one tensor share one copy).
+        graph: the graph that saved it (``"forward #7"``).
+        before: the write it was copied before (``"Adam.step() #12"``).
+        site: where that write was called, when known.
+
+    Example:
+        >>> import torch, versionwatch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with versionwatch.watch(model, opt, on_hazard="repair") as w:
+        ...     loss = (model(torch.ones(1, 2)) * model.weight).sum()  # saves the weight
+        ...     loss.backward(retain_graph=True)
+        ...     opt.step()
+        ...     loss.backward()  # the weight as the forward saw it
+        >>> r = w.repairs[0]
+        >>> r.tensor, r.nbytes, r.graph, r.before
+        ('model.weight', 8, 'forward #1', 'SGD.step() #1')
+    """
+
+    tensor: str
+    nbytes: int
+    graph: str
+    before: str
+    site: Site | None = None
+
+    def __str__(self) -> str:
+        at = f" at {self.site}" if self.site else ""
+        return (f"kept a copy of {self.tensor} ({size(self.nbytes)}) for the graph of "
+                f"{self.graph} before {self.before}{at}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {"tensor": self.tensor, "bytes": self.nbytes, "graph": self.graph,
+                "before": self.before, "file": self.site.file if self.site else None,
+                "line": self.site.line if self.site else None}
+
+
 @dataclass
 class Report:
     """What a backward would do, predicted before it runs.

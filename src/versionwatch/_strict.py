@@ -44,7 +44,7 @@ from versionwatch import _hookstack
 from versionwatch._compat import PEEK as _PEEK
 from versionwatch._compat import HookedSaved, allow_in_peek, peek, storage_address
 from versionwatch._explain import _BACKWARD_SUFFIX
-from versionwatch._report import Hazard, Modification
+from versionwatch._report import Hazard, Modification, Site
 from versionwatch._sites import _is_library, is_library, site_at, user_site
 from versionwatch._torchtext import strict_message
 
@@ -193,6 +193,10 @@ class _State:
 
 STATE = _State()
 _LOCAL = STATE.local
+# ``on_hazard="repair"``: called with (label, site, hits) before a write is
+# recorded; returns the hits it could not repair (set by the repairing watcher).
+REPAIR: Callable[[str, Site | None, list[tuple[torch.Tensor, SavedRecord]]],
+                 list[tuple[torch.Tensor, SavedRecord]]] | None = None
 
 
 
@@ -542,6 +546,10 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
         context = _LOCAL.step
     if context:
         label = context if name == "step" else f"{context} ({label})"
+    if REPAIR is not None:  # on_hazard="repair": copies first; what is left is recorded
+        hits = REPAIR(label, site, hits)
+        if not hits:
+            return
     stop = STATE.owners[-1] if STATE.owners and STATE.owners[-1].stop_at_write else None
     hazards = []
     for t, rec in hits:

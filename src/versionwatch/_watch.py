@@ -26,7 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from versionwatch import _distributed, _forward, _inflight, _strict
+from versionwatch import _distributed, _forward, _inflight, _repair, _strict
 from versionwatch._call import BadCall, read_once, rejected
 from versionwatch._compat import SAVED_INTROSPECTION
 from versionwatch._config import Policy, resolve_policy
@@ -36,7 +36,8 @@ from versionwatch._functorch import in_functorch_transform
 from versionwatch._ledger import Ledger, Tracked
 from versionwatch._naming import has_fsdp, module_tensors
 from versionwatch._predict import _VERSION_RE, gated, predict, raise_for
-from versionwatch._report import Hazard, Modification, Report, Site
+from versionwatch._repair import Repairer
+from versionwatch._report import Hazard, Modification, Repair, Report, Site, size
 from versionwatch._sites import user_frame, user_site
 from versionwatch._timeline import Timeline
 
@@ -338,8 +339,17 @@ class Watcher:
         *,
         strict: bool = False,
         stop_at_write: bool = False,
+        repair_budget: int | None = None,
     ) -> None:
         self.policy = resolve_policy(on_hazard)
+        self._repair: Repairer | None = None
+        if repair_budget is not None and (
+                isinstance(repair_budget, bool) or not isinstance(repair_budget, int)
+                or repair_budget < 0):
+            raise ValueError(f"repair_budget={repair_budget!r}: give a number of bytes (an int "
+                             ">= 0), or None for the default")
+        if self.policy == "repair":
+            self._repair = Repairer(self, repair_budget)
         self.strict = strict or stop_at_write
         self.stop_at_write = stop_at_write
         self._saved_hooks: Any = None
@@ -398,6 +408,8 @@ class Watcher:
             _ACTIVE.append(self)
             if self.strict:
                 self._saved_hooks = _strict.attach(self)
+                if self._repair is not None:
+                    _strict.REPAIR = self._strict_repair
         self._thread_stack.append(self)
 
     # -- setup -----------------------------------------------------------------------
@@ -570,6 +582,8 @@ class Watcher:
         self.ledger.sync(label, site)
         touched, notes = [], {}
         params, trs = self._watched(opt)  # also adopts params added since
+        if self._repair is not None and self._repair.roots and not self.strict:
+            self._repair_step(params, label, site)
         if threading.active_count() > 1:
             # Another thread's event may scan while this step runs.
             self.ledger.begin_step(label, [id(p) for p in params],
@@ -605,6 +619,79 @@ class Watcher:
                              if p.grad is not None]
                 _strict.on_write("step", (with_grad,), {}, silent=fused)
             _strict._LOCAL.step_checked = True
+
+    def _repair_step(self, params: list[torch.Tensor], label: str, site: Site | None) -> None:
+        """Default mode's repair: copy what retained graphs saved of ``params``."""
+        repairer = self._repair
+        assert repairer is not None
+        names = self._names
+        scope = self._scope()
+        if len(scope) > 1:
+            names = {}
+            for w in reversed(scope):
+                names.update(w._names)
+        _LOCAL.busy = True  # our walk and copies are no user events
+        try:
+            n = repairer.before_step(params, names, label, site)
+        except Exception:  # never break the user's step: unrepaired is raised as today
+            logger.debug("versionwatch: repair before %s failed", label, exc_info=True)
+            n = 0
+        finally:
+            _LOCAL.busy = False
+        if n:
+            self._record_repairs(n, label, site)
+
+    def _strict_repair(self, label: str, site: Site | None,
+                       hits: list[tuple[torch.Tensor, Any]]) -> list[tuple[torch.Tensor, Any]]:
+        """Strict mode's repair: a seen write is about to hit memory a live graph saved."""
+        repairer = self._repair
+        if repairer is None or self._closed:
+            return hits
+        before = repairer.count
+        try:
+            left = _repair.strict_hits(repairer, self._names, label, site, hits)
+        except Exception:  # never break the user's write: unrepaired is raised as today
+            logger.debug("versionwatch: repair before %s failed", label, exc_info=True)
+            return hits
+        if repairer.count > before:
+            self._record_repairs(repairer.count - before, label, site)
+        return left
+
+    def _record_repairs(self, n: int, label: str, site: Site | None) -> None:
+        repairer = self._repair
+        assert repairer is not None
+        new = [repairer.repairs[-k] for k in range(min(n, len(repairer.repairs)), 0, -1)]
+        nbytes = sum(r.nbytes for r in new)
+        what = new[0].tensor if n == 1 else f"{n} tensors"
+        self.ledger.record("repair", f"kept {what} ({size(nbytes)}) before {label}", site)
+        for r in new:
+            logger.debug("versionwatch: %s", r)
+
+    @property
+    def repairs(self) -> list[Repair]:
+        """``on_hazard="repair"``: the copies kept so far (the latest 1000), oldest first."""
+        return list(self._repair.repairs) if self._repair is not None else []
+
+    def repair_summary(self) -> dict[str, Any]:
+        """``on_hazard="repair"``: how many copies, bytes copied, peak and current bytes held.
+
+        Keys: ``repairs``, ``copied_bytes``, ``peak_bytes``, ``held_bytes``,
+        ``budget_bytes``, ``refused`` (graphs the budget left unrepaired).
+
+        Raises:
+            RuntimeError: the watcher's policy is not ``"repair"``.
+
+        Example:
+            >>> import torch, versionwatch
+            >>> model = torch.nn.Linear(2, 1)
+            >>> with versionwatch.watch(model, on_hazard="repair") as w:
+            ...     w.repair_summary()["repairs"]
+            0
+        """
+        if self._repair is None:
+            raise RuntimeError(f"repair_summary() needs watch(..., on_hazard='repair'); this "
+                               f"watcher's policy is {self.policy!r}")
+        return self._repair.summary()
 
     def _on_step_post(self, opt: Optimizer) -> None:
         state = self._optimizer(opt)
@@ -656,6 +743,8 @@ class Watcher:
                 silent.update(w._silent)
         if silent:
             silent = self._this_thread(silent, scope)
+        if self._repair is not None and not frees:
+            self._repair.retain(outputs, f"backward #{n}", site)
         flight = _inflight.Flight(self, f"backward #{n}", site, frees)
         try:
             try:
@@ -804,7 +893,7 @@ class Watcher:
     def _dispatch(self, report: Report) -> None:
         __tracebackhide__ = True
         policy = self.policy
-        if policy == "raise":
+        if policy == "raise" or policy == "repair":  # what repair could not fix is raised
             raise_for(report)
         elif policy == "warn":
             _, level = user_frame(1)
@@ -888,6 +977,10 @@ class Watcher:
         self._closed = True
         self._remove_hooks()
         with _LOCK:
+            if _strict.REPAIR == self._strict_repair:
+                _strict.REPAIR = None
+            if self._repair is not None:
+                self._repair.roots = []
             if self._saved_hooks is not None:
                 _strict.detach(self, self._saved_hooks)
                 self._saved_hooks = None
@@ -904,9 +997,9 @@ class Watcher:
         for h, rec in zip(hazards, records):
             self._name_record(h, rec)
             h.fix = fix_for(h)
-            if self.policy == "raise":
+            if self.policy in ("raise", "repair"):
                 h.notes.append("stopped before the write: nothing was modified")
-        if self.policy == "raise":
+        if self.policy in ("raise", "repair"):
             # The raise unwinds the step: its post-hook will not run.
             _strict.end_step()
             for state in self._optimizers.values():
@@ -945,6 +1038,7 @@ def watch(
     on_hazard: Policy = "raise",
     strict: bool = False,
     stop_at_write: bool = False,
+    repair_budget: int | None = None,
 ) -> Watcher:
     """Watch modules (and optimizers): predict and explain every backward.
 
@@ -961,8 +1055,12 @@ def watch(
             on their first ``step()`` or ``zero_grad()`` anyway.
         on_hazard: ``"raise"`` (an :class:`InplaceModificationError` before
             backward runs), ``"warn"`` (an :class:`InplaceHazardWarning` at your
-            backward call), ``"log"`` (the ``versionwatch`` logger), or a callable
-            that takes the :class:`Report`. ``$VERSIONWATCH_ON_HAZARD`` overrides it.
+            backward call), ``"log"`` (the ``versionwatch`` logger), ``"repair"``
+            (keep a copy of what a live graph saved before a watched step, or in
+            strict mode any seen write, overwrites it; what it cannot repair is
+            raised as with ``"raise"``; see the "Repair" page of the docs), or a
+            callable that takes the :class:`Report`. ``$VERSIONWATCH_ON_HAZARD``
+            overrides it.
         strict: also record each write to a saved tensor at the line that makes
             it, including writes that bump no version (``.data``, fused
             optimizers): a backward that would fail, or read silently changed
@@ -972,6 +1070,9 @@ def watch(
             it happens, whenever it hits memory that a live graph saved, even if
             that graph never runs backward again. For debugging: it can stop
             training that PyTorch would accept.
+        repair_budget: with ``on_hazard="repair"``, the most bytes that copies
+            may hold at once; default: twice the watched tensors' bytes, at
+            least 64 MiB. Past it a graph gets no more copies (one warning).
 
     Returns:
         A :class:`Watcher`, active until closed; use it as a context manager.
@@ -979,8 +1080,9 @@ def watch(
     Raises:
         TypeError: ``modules`` is not a module or a dict of them, or one is a
             ScriptModule (watch the module it was scripted from).
-        ValueError: a module is given twice or already watched, or an optimizer
-            steps none of the watched parameters.
+        ValueError: a module is given twice or already watched, an optimizer
+            steps none of the watched parameters, or ``repair_budget`` is not
+            a number of bytes.
 
     Example:
         >>> import torch, versionwatch
@@ -1008,4 +1110,5 @@ def watch(
             "watch() takes an nn.Module or a non-empty dict of named modules; "
             f"got {type(modules).__name__}"
         )
-    return Watcher(named, optimizers, on_hazard, strict=strict, stop_at_write=stop_at_write)
+    return Watcher(named, optimizers, on_hazard, strict=strict, stop_at_write=stop_at_write,
+                   repair_budget=repair_budget)
