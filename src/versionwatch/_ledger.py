@@ -72,6 +72,7 @@ _Layout = tuple[
 _F = TypeVar("_F", bound=Callable[..., object])
 
 
+
 def _locked(method: _F) -> _F:
     """Run under the ledger's lock: threads record, scan and blame at once."""
 
@@ -168,11 +169,14 @@ class Ledger:
         cause: Modification | None = None,
         notes: dict[int, str] | None = None,
         seq: int | None = None,
+        unchanged: bool = False,
     ) -> Event:
         """Add an event; changes since the last one go to ``cause`` or to the interval.
 
         Once events come from more than one thread, ``label`` and ``cause``
-        name the thread they happen on.
+        name the thread they happen on. ``unchanged``: the caller saw (with
+        :meth:`quiet`) that no version moved between the last event and this
+        one, and versions have moved since; the event gets the last event's.
         """
         self.count += 1
         me = threading.get_ident()
@@ -189,6 +193,11 @@ class Ledger:
             start = next((e for e in reversed(self.events) if e.label == label), None)
             label, site = f"end of {label}", site or (start.site if start else None)
         event = Event(self.count, kind, label, site, seq)
+        layout = self._layout
+        if unchanged and layout is not None:
+            self.events.append(event)
+            self.versions.append(layout[4])
+            return event
         versions = self._scan(cause, label, site, notes)
         if cause is None:
             # A change made before this event, not by it, gets its own row, so
@@ -197,6 +206,23 @@ class Ledger:
         self.events.append(event)
         self.versions.append(versions)
         return event
+
+    def quiet(self, since: list[int] | None = None) -> list[int] | None:
+        """The watched versions now if none moved since the last event (or ``since``), else None.
+
+        Lock-free: the hot path of a forward under
+        ``no_grad``. None also when the answer needs the slow path (a tensor
+        died, or the tracked set changed).
+        """
+        layout = self._layout
+        if layout is None:
+            return None
+        try:
+            # A list comprehension: faster here than map() over the C getters.
+            now = [r()._version for r in layout[1]]  # type: ignore[union-attr]
+        except AttributeError:  # a dead reference gave None
+            return None
+        return now if now == (layout[3] if since is None else since) else None
 
     def _scan(
         self,

@@ -11,6 +11,7 @@ events that moved them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
@@ -302,7 +303,8 @@ class Watcher:
         self.reports: deque[Report] = deque(maxlen=100)
         self._names: dict[int, str] = {}
         self._roots: dict[str, weakref.ref[nn.Module]] = {}
-        self._forwards: dict[str, int] = {}
+        self._forwards: dict[str, int] = {}  # the last forward number of each root
+        self._counters: dict[str, Iterator[int]] = {}
         self._handles: list[RemovableHandle | _forward.Handle] = []
         self._optimizers: dict[int, _OptimizerState] = {}
         self._silent: dict[int, int] = {}
@@ -355,6 +357,7 @@ class Watcher:
             _strict.name_modules(module, name)
         self._roots[name] = weakref.ref(module)
         self._forwards[name] = 0
+        self._counters[name] = itertools.count(1)
         for key, (qual, t) in module_tensors(module, name + ".").items():
             if key not in self._names:
                 self._names[key] = qual
@@ -430,25 +433,47 @@ class Watcher:
                 return
 
     # -- events ----------------------------------------------------------------------
-    def _on_forward(self, root: str, pre: bool) -> None:
+    def _on_forward(self, root: str, pre: bool, token: Any = None) -> Any:
+        """Record a root's forward: ``pre`` before it runs (returns a token), then after it.
+
+        A forward under ``no_grad`` or ``inference_mode`` saves nothing for
+        backward, so the only fact it can add to an explanation is a write to a
+        watched tensor while it runs (a BatchNorm's running stats in training
+        mode). Such a forward reads the versions before and after, and records
+        its events only if they moved: an acting forward in a reinforcement
+        learning loop then costs two version reads instead of two events. Its
+        site is read after the call if needed: the caller's line is the same.
+        """
         if pre:
-            with _LOCK:
-                self._forwards[root] += 1
-                n = self._forwards[root]
-            # Only a forward under grad mode creates nodes to tell apart.
-            seq = _seq_clock() if torch.is_grad_enabled() else None
+            # next() is atomic: threads number from one counter, with no lock.
+            n = self._forwards[root] = next(self._counters[root])
+            if not torch.is_grad_enabled():
+                before = self.ledger.quiet()
+                if before is not None:
+                    return n, before
+                seq = None
+            else:
+                seq = _seq_clock()  # nodes it creates get larger sequence numbers
             event = self.ledger.record("forward", self._label(root, n), user_site(3), seq=seq)
             if self.strict:
                 _strict._LOCAL.forward = (
                     f"{event.label} at {event.site}" if event.site else event.label)
-        else:
-            label = self._label(root, self._forwards[root])
-            if self.strict:
-                _strict._LOCAL.forward = None
-            self.ledger.record(
-                "forward_end", label, None,
-                cause=Modification("module_forward", f"during {label} of {root}"),
-            )
+            return n, None
+        n, before = token
+        if before is not None and self.ledger.quiet(before) is not None:
+            return None  # nothing moved: as if the forward never ran, for the ledger
+        label = self._label(root, n)
+        if before is not None:
+            # It wrote to a watched tensor: its events after all; nothing
+            # moved before it began (``before`` was the last event's versions).
+            self.ledger.record("forward", label, user_site(3), unchanged=True)
+        elif self.strict:
+            _strict._LOCAL.forward = None
+        self.ledger.record(
+            "forward_end", label, None,
+            cause=Modification("module_forward", f"during {label} of {root}"),
+        )
+        return None
 
     def _on_zero_grad(self, opt: Optimizer, set_to_none: bool) -> None:
         if self.strict:
