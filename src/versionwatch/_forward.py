@@ -136,7 +136,7 @@ def _unplace(cls: type) -> None:
         if vars(cls).get("_compiled_call_impl") is _ROUTE:
             delattr(cls, "_compiled_call_impl")
     else:
-        cls._compiled_call_impl = own
+        setattr(cls, "_compiled_call_impl", own)  # noqa: B010 (a class of any kind)
 
 
 class _Route:

@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from versionwatch import _forward, _inflight, _strict
 from versionwatch._call import BadCall, read_once, rejected
-from versionwatch._compat import SAVED_INTROSPECTION
+from versionwatch._compat import SAVED_INTROSPECTION, sequence_nr
 from versionwatch._config import Policy, resolve_policy
 from versionwatch._errors import InplaceHazardWarning
 from versionwatch._explain import fix_for, render_report
@@ -198,7 +198,13 @@ def _uninstall() -> None:
 
 
 def _seq_clock() -> int:
-    """The autograd sequence number now: nodes made before have a smaller one."""
+    """The autograd sequence number now: nodes made before have a number no larger, after larger.
+
+    The number of a node made now, less one: that is what a probe node made
+    here would have got, without making one (a tensor and a node, about 10 us).
+    """
+    if sequence_nr is not None:
+        return sequence_nr() - 1
     if torch.is_inference_mode_enabled():
         # An inference tensor records no node; the counter is the same outside.
         with torch.inference_mode(False):
@@ -469,10 +475,8 @@ class Watcher:
             self.ledger.record("forward", label, user_site(3), unchanged=True)
         elif self.strict:
             _strict._LOCAL.forward = None
-        self.ledger.record(
-            "forward_end", label, None,
-            cause=Modification("module_forward", f"during {label} of {root}"),
-        )
+        self.ledger.end("forward_end", label,
+                        lambda: Modification("module_forward", f"during {label} of {root}"))
         return None
 
     def _on_zero_grad(self, opt: Optimizer, set_to_none: bool) -> None:
@@ -481,15 +485,15 @@ class Watcher:
         state = self._optimizer(opt)
         if state is None:
             return
-        params, trs = self._watched(opt)
         if set_to_none:  # every .grad is None now
             # Until some zero_grad keeps grads, every mark is None or _NO_GRAD,
             # and both mean the same to _on_step_pre: nothing to update.
-            for tr in trs if self._kept_grads else ():
+            for tr in self._watched(opt)[1] if self._kept_grads else ():
                 if tr is not None:
                     tr.grad_mark = _NO_GRAD
         else:
             self._kept_grads = True
+            params, trs = self._watched(opt)
             for p, tr in zip(params, trs):
                 if tr is not None:
                     g = p.grad
@@ -650,8 +654,8 @@ class Watcher:
         return {k: c for k, c in silent.items() if on.get(k, me) == me}
 
     def _end_backward(self, n: int) -> None:
-        self.ledger.record("backward_end", f"backward #{n}", None,
-                           cause=Modification("backward", f"during backward #{n}"))
+        self.ledger.end("backward_end", f"backward #{n}",
+                        lambda: Modification("backward", f"during backward #{n}"))
 
     def _scope(self) -> list[Watcher]:
         """This watcher, then the other open watchers of its thread, innermost first."""
