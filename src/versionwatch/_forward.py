@@ -37,6 +37,9 @@ _ADOPTERS: list[weakref.ref[Any]] = []
 # id(root module) -> what the route gives for it: a call of _call with a weak
 # reference to the root (a partial that held the module would keep it alive).
 _CALLS: dict[int, functools.partial[Any]] = {}
+# With one adopter open (the usual watch_all), its dict of seen module ids:
+# the route's lookup for a module it has seen, without calling its reference.
+_ONE_SEEN: list[dict[int, Any]] = []
 
 
 class Handle:
@@ -57,6 +60,8 @@ class Handle:
         if entries is None:
             return
         entries[:] = [e for e in entries if e is not self._entry]
+        if self._key is None:
+            _adopters_changed()
         if not entries and self._key is not None:
             _ROOTS.pop(self._key, None)
             _CALLS.pop(self._key, None)
@@ -91,7 +96,13 @@ def add_adopter(watcher: Any) -> Handle:
     """
     entry = weakref.ref(watcher)
     _ADOPTERS.append(entry)
+    _adopters_changed()
     return Handle(None, entry, _hold(nn.Module))
+
+
+def _adopters_changed() -> None:
+    live = [w for w in (ref() for ref in _ADOPTERS) if w is not None]
+    _ONE_SEEN[:] = [live[0]._seen] if len(live) == 1 else []
 
 
 # Where the route is placed: class -> [holders, what the class's own dict had].
@@ -156,6 +167,8 @@ class _Route:
         call = _CALLS.get(key)
         if call is not None:
             return call
+        if _ONE_SEEN and key in _ONE_SEEN[0]:
+            return None  # the one adopter saw it: every call of a submodule ends here
         for ref in _ADOPTERS:
             w = ref()
             if w is not None and key not in w._seen and not w._closed:
