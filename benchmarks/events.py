@@ -2,10 +2,11 @@
 
 A DQN-sized Q-net (4 -> 64 -> 64 -> 2, ReLU; batch 32 for training, 1 for
 acting) with Adam. Every iteration times, each alone with
-``time.perf_counter``: a forward under ``torch.no_grad()`` (acting), a forward
-with grad and its loss, ``zero_grad()``, ``backward()`` and ``step()``. Each
-round runs one block of iterations per configuration, rotating which goes
-first; the extra cost of an event is the median, over rounds, of the
+``time.perf_counter``: a forward under ``torch.no_grad()`` (acting), a
+forward with grad and its loss, ``zero_grad()``, ``backward()`` and
+``step()``; then ten forwards under ``no_grad`` in a row (an acting loop's
+steady state, caches warm), timed together. Each round runs one block of
+iterations per configuration, rotating which goes first; the extra cost of an event is the median, over rounds, of the
 configuration's block median minus the same round's plain block median. Torch
 runs on one thread.
 
@@ -44,7 +45,9 @@ except ImportError:  # running from a checkout without an install
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
 BEGIN, END = "<!-- events.py: begin -->", "<!-- events.py: end -->"
-EVENTS = ("forward, no_grad", "forward with grad", "zero_grad", "backward", "step")
+EVENTS = ("forward, no_grad", "forward with grad", "zero_grad", "backward", "step",
+          "forward, no_grad, 10 in a row (each)")
+STEP_EVENTS = 5  # the events of one iteration; the last row is measured apart from it
 
 
 def qnet() -> nn.Sequential:
@@ -67,8 +70,13 @@ def iteration(model: nn.Module, opt: torch.optim.Optimizer, act: torch.Tensor,
     t4 = clock()
     opt.step()
     t5 = clock()
+    with torch.no_grad():
+        for _ in range(10):
+            model(act)
+    t6 = clock()
     for k, (a, b) in enumerate(((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5))):
         out[k].append(b - a)
+    out[5].append((t6 - t5) / 10)
 
 
 Config = tuple[str, Callable[[nn.Module, torch.optim.Optimizer],
@@ -113,13 +121,16 @@ def markdown(plain: list[float], extra: dict[str, list[float]], header: str) -> 
     lines = [header, "",
              "| event | plain (µs) | " + " | ".join(f"{n} (extra µs)" for n in names) + " |",
              "|---|---:|" + "---:|" * len(names)]
-    for e, event in enumerate(EVENTS):
+    for e, event in enumerate(EVENTS[:STEP_EVENTS]):
         cells = " | ".join(f"{extra[n][e]:+.1f}" for n in names)
         lines.append(f"| {event} | {plain[e]:.1f} | {cells} |")
-    total = sum(plain)
-    cells = " | ".join(f"{sum(extra[n]):+.1f} ({(total + sum(extra[n])) / total:.2f}x)"
-                       for n in names)
+    total = sum(plain[:STEP_EVENTS])
+    cells = " | ".join(f"{sum(extra[n][:STEP_EVENTS]):+.1f} "
+                       f"({(total + sum(extra[n][:STEP_EVENTS])) / total:.2f}x)" for n in names)
     lines.append(f"| whole iteration | {total:.1f} | {cells} |")
+    e = STEP_EVENTS
+    cells = " | ".join(f"{extra[n][e]:+.1f}" for n in names)
+    lines.append(f"| {EVENTS[e]} | {plain[e]:.1f} | {cells} |")
     return "\n".join(lines)
 
 

@@ -86,7 +86,7 @@ def test_events_quick_prints_one_row_per_event(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr[-3000:]
     rows = {r[0]: r for r in table_rows(p.stdout)}
     for event in ("forward, no_grad", "forward with grad", "zero_grad", "backward", "step",
-                  "whole iteration"):
+                  "whole iteration", "forward, no_grad, 10 in a row (each)"):
         assert len(rows[event]) == 5, p.stdout  # plain, then watch, watch_all, strict
     # The table in the docs page is the one this script writes between its markers.
     text = (ROOT / "docs" / "performance.md").read_text()
