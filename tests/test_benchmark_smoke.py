@@ -77,3 +77,31 @@ def test_repair_benchmark_quick_prints_both_parts() -> None:
                    "allow_mutation"):
         assert config in names, r.stdout
     assert "split: at forward" in r.stdout and "repair vs default mode" in r.stdout
+
+
+def _script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+
+
+def test_loops_quick_times_both_loops_under_every_configuration() -> None:
+    p = _script("loops.py", "--quick")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "### DQN" in p.stdout and "### A2C" in p.stdout, p.stdout
+    names = [r[0] for r in table_rows(p.stdout) if r[0] != "configuration"]
+    for config in ("unwatched", "watch", "watch_all", "strict"):
+        assert names.count(config) == 2, (config, p.stdout)
+
+
+def test_events_quick_prints_one_row_per_event(tmp_path: Path) -> None:
+    p = _script("events.py", "--quick", "--markdown")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r[0]: r for r in table_rows(p.stdout)}
+    for event in ("forward, no_grad", "forward with grad", "zero_grad", "backward", "step",
+                  "whole iteration", "forward, no_grad, 10 in a row (each)"):
+        assert len(rows[event]) == 5, p.stdout  # plain, then watch, watch_all, strict
+    # The table in the docs page is the one this script writes between its markers.
+    text = (ROOT / "docs" / "performance.md").read_text()
+    assert "<!-- events.py: begin -->" in text and "<!-- events.py: end -->" in text

@@ -302,6 +302,10 @@ MAPPED = [
      r"\g<0> --models a --steps 1 --repeats 1", _QUICK),
     ("performance.md", r"^python benchmarks/predict_cost\.py\b.*",
      r"\g<0> --quick --repeats 1", _QUICK),
+    ("performance.md", r"^python benchmarks/loops\.py\b.*", r"\g<0> --quick", _QUICK),
+    # --update-docs would rewrite the page under test: the same table, printed.
+    ("performance.md", r"^python benchmarks/events\.py\b.*",
+     "python benchmarks/events.py --quick --markdown", _QUICK),
 ]
 
 # The exit status of each command that does not exit 0, and text its output must hold

@@ -380,6 +380,15 @@ def parse(api: Api, outputs: Any, inputs: Any) -> Call:
             ``api="grad"`` has no ``inputs``.
         BadCall: PyTorch rejects them; ``.error`` is its exception.
     """
+    if (api == "backward" and inputs is None and type(outputs) is torch.Tensor
+            and outputs.grad_fn is not None and outputs.numel() == 1
+            and outputs.dtype.is_floating_point and outputs.layout is torch.strided
+            and not outputs.is_nested):
+        # loss.backward(), the call of nearly every training step: the checks
+        # of the preamble (a real scalar with a node to start from) all hold,
+        # and running a copy of it would cost as much as the rest of the
+        # prediction of a small model.
+        return Call(api, (outputs,), None, allow_unused=True)
     if api == "grad":
         if inputs is None:
             raise TypeError('api="grad" needs inputs, as torch.autograd.grad(outputs, inputs) does')

@@ -45,6 +45,10 @@ storage_address: Callable[[torch.Tensor], int] | None = getattr(
 """A storage's identity without building a storage object, where torch has it."""
 
 
+sequence_nr: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
+"""The sequence number the next autograd node of this thread will get, where torch shows it."""
+
+
 def _is_compiling_fallback() -> bool:
     return False
 

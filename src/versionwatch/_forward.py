@@ -27,36 +27,48 @@ from typing import Any, Callable
 from torch import nn
 
 from versionwatch._compat import is_compiling, is_tracing
-from versionwatch._functorch import in_functorch_transform
+from versionwatch._functorch import in_transform
 
 # id(root module) -> (module ref, watcher ref, root name), in registration order.
 _Entry = tuple["weakref.ref[nn.Module]", "weakref.ref[Any]", str]
 _ROOTS: dict[int, list[_Entry]] = {}
 # Open watchers that adopt every module run outside the roots they know (watch_all).
 _ADOPTERS: list[weakref.ref[Any]] = []
-_ORIGINAL: list[Any] = []  # what nn.Module._compiled_call_impl was: None
+# id(root module) -> what the route gives for it: a call of _call with a weak
+# reference to the root (a partial that held the module would keep it alive).
+_CALLS: dict[int, functools.partial[Any]] = {}
+# With one adopter open (the usual watch_all), its dict of seen module ids:
+# the route's lookup for a module it has seen, without calling its reference.
+_ONE_SEEN: list[dict[int, Any]] = []
 
 
 class Handle:
     """Takes one entry out of the registry, as a ``RemovableHandle`` removes a hook."""
 
-    __slots__ = ("_entry", "_key")
+    __slots__ = ("_cls", "_entry", "_key")
 
-    def __init__(self, key: int | None, entry: Any) -> None:
+    def __init__(self, key: int | None, entry: Any, cls: type[nn.Module]) -> None:
         self._key = key
         self._entry = entry
+        self._cls: type[nn.Module] | None = cls
 
     def remove(self) -> None:
+        cls, self._cls = self._cls, None
+        if cls is not None:
+            _release(cls)
         entries: list[Any] | None = _ADOPTERS if self._key is None else _ROOTS.get(self._key)
         if entries is None:
             return
         entries[:] = [e for e in entries if e is not self._entry]
+        if self._key is None:
+            _adopters_changed()
         if not entries and self._key is not None:
             _ROOTS.pop(self._key, None)
+            _CALLS.pop(self._key, None)
 
 
 def add_root(module: nn.Module, watcher: Any, name: str) -> Handle:
-    """Call ``watcher._on_forward(name, pre)`` around every call of ``module``."""
+    """Call ``watcher._forward_pre(name)``/``_forward_post`` around every call of ``module``."""
     key = id(module)
 
     def gone(ref: weakref.ref[nn.Module]) -> None:
@@ -66,10 +78,14 @@ def add_root(module: nn.Module, watcher: Any, name: str) -> Handle:
             routes[:] = [r for r in routes if r[0] is not ref]
             if not routes:
                 _ROOTS.pop(key, None)
+                _CALLS.pop(key, None)
 
     route: _Entry = (weakref.ref(module, gone), weakref.ref(watcher), name)
     _ROOTS.setdefault(key, []).append(route)
-    return Handle(key, route)
+    if key not in _CALLS:
+        # Made once: nn.Module.__call__ reads the attribute twice a call.
+        _CALLS[key] = functools.partial(_call, weakref.ref(module))
+    return Handle(key, route, _hold(type(module)))
 
 
 def add_adopter(watcher: Any) -> Handle:
@@ -80,9 +96,58 @@ def add_adopter(watcher: Any) -> Handle:
     """
     entry = weakref.ref(watcher)
     _ADOPTERS.append(entry)
-    return Handle(None, entry)
+    _adopters_changed()
+    return Handle(None, entry, _hold(nn.Module))
 
 
+def _adopters_changed() -> None:
+    live = [w for w in (ref() for ref in _ADOPTERS) if w is not None]
+    _ONE_SEEN[:] = [live[0]._seen] if len(live) == 1 else []
+
+
+# Where the route is placed: class -> [holders, what the class's own dict had].
+# A root's own class is enough to see its calls (subclasses inherit the
+# attribute), and its children, of other classes, then skip the route's
+# Python call altogether: about 0.3 us per module call. Only an adopter
+# (watch_all), which must see every module's first call, holds nn.Module.
+_PLACED: dict[type, list[Any]] = {}
+_ABSENT = object()
+
+
+def _hold(cls: type[nn.Module]) -> type[nn.Module]:
+    placed = _PLACED.get(cls)
+    if placed is None:
+        own = vars(cls).get("_compiled_call_impl", _ABSENT)
+        if own is not None and own is not _ABSENT:
+            # The class brings its own: the route in nn.Module (or a base)
+            # would be shadowed as well; leave the class as it is.
+            _PLACED[cls] = [1, _ABSENT, False]
+            return cls
+        placed = _PLACED[cls] = [0, own, True]
+        route: Any = _ROUTE  # the attribute is typed as a callable, which a descriptor is not
+        cls._compiled_call_impl = route
+    placed[0] += 1
+    return cls
+
+
+def _release(cls: type) -> None:
+    placed = _PLACED.get(cls)
+    if placed is None:
+        return
+    placed[0] -= 1
+    if placed[0] <= 0:
+        _unplace(cls)
+
+
+def _unplace(cls: type) -> None:
+    _, own, ours = _PLACED.pop(cls)
+    if not ours:
+        return
+    if own is _ABSENT:
+        if vars(cls).get("_compiled_call_impl") is _ROUTE:
+            delattr(cls, "_compiled_call_impl")
+    else:
+        setattr(cls, "_compiled_call_impl", own)  # noqa: B010 (a class of any kind)
 
 
 class _Route:
@@ -99,20 +164,25 @@ class _Route:
         if module is None or is_tracing():
             return None
         key = id(module)
-        if key in _ROOTS:
-            return functools.partial(_call, module)
+        call = _CALLS.get(key)
+        if call is not None:
+            return call
+        if _ONE_SEEN and key in _ONE_SEEN[0]:
+            return None  # the one adopter saw it: every call of a submodule ends here
         for ref in _ADOPTERS:
             w = ref()
             if w is not None and key not in w._seen and not w._closed:
-                return functools.partial(_call, module)
+                return functools.partial(_call, weakref.ref(module))
         return None
 
 
-def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _call(target: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
     """What ``nn.Module.__call__`` runs for a watched root: its forward, recorded."""
     __tracebackhide__ = True  # pytest: a plain run has no such frame
+    module = target()
+    assert module is not None  # it is being called
     call_impl: Callable[..., Any] = module._call_impl
-    if is_compiling() or in_functorch_transform():
+    if is_compiling() or in_transform():
         # torch.export; or torch.func, whose functional_call swapped the
         # parameters for its wrappers: nothing of ours to record or adopt.
         return call_impl(*args, **kwargs)
@@ -125,28 +195,28 @@ def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     for module_ref, watcher_ref, name in routes or ():
         w = watcher_ref()
         if module_ref() is module and w is not None and not w._closed:
-            live.append((w, name))
-    for w, name in live:
-        w._on_forward(name, True)
+            live.append((w, name, w._on_forward(name, True)))
     try:
         result = call_impl(*args, **kwargs)
     finally:
-        for w, name in live:
+        for w, name, token in live:
             if not w._closed:
-                w._on_forward(name, False)
-    for w, name in live:
-        if w._repair is not None:  # on_hazard="repair" remembers the graph, weakly
+                w._on_forward(name, False, token)
+    for w, name, _ in live:
+        # on_hazard="repair" remembers the graph, weakly (not for DDP's sync mark)
+        if w._repair is not None and name in w._forwards:
             w._repair.outputs(result, w._label(name, w._forwards[name]))
     return result
 
 
+_ROUTE = _Route()
+
+
 def install() -> None:
-    """Route module calls through :class:`_Route` (process-wide, until :func:`uninstall`)."""
-    _ORIGINAL.append(vars(nn.Module)["_compiled_call_impl"])
-    route: Any = _Route()  # the attribute is typed as a callable, which a descriptor is not
-    nn.Module._compiled_call_impl = route
+    """Nothing process-wide: each root's class (or nn.Module, for an adopter) gets the route."""
 
 
 def uninstall() -> None:
-    if _ORIGINAL:
-        nn.Module._compiled_call_impl = _ORIGINAL.pop()
+    """Take the route out of every class it is still in."""
+    for cls in list(_PLACED):
+        _unplace(cls)

@@ -13,7 +13,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -21,11 +21,14 @@ import torch
 from versionwatch._report import Hazard, Modification, Site
 
 
-@dataclass(frozen=True)
-class Event:
-    """One point of the training loop: ``forward #2``, ``SGD.step() #3``, ..."""
+class Event(NamedTuple):
+    """One point of the training loop: ``forward #2``, ``SGD.step() #3``, ...
 
-    index: int
+    A named tuple, not a frozen dataclass: a training step makes six, and a
+    frozen dataclass costs about 2 us to make.
+    """
+
+    index: int  # type: ignore[assignment]  # (shadows tuple.index)
     kind: str  # forward, forward_end, backward, backward_end, step, zero_grad, between
     label: str
     site: Site | None = None
@@ -33,7 +36,7 @@ class Event:
     # get larger ones, so a hazard's node tells which forward saved its tensor.
     # Sequence numbers are counted per thread: only ``thread``'s compare.
     seq: int | None = None
-    thread: int = field(default_factory=threading.get_ident)
+    thread: int = 0  # threading.get_ident() of the thread it happened on
     module: str | None = None  # a forward's root module, by its watched name
     frees: bool = False  # a backward without retain_graph: it frees the graph it runs
 
@@ -72,6 +75,7 @@ _Layout = tuple[
 
 
 _F = TypeVar("_F", bound=Callable[..., object])
+
 
 
 def _locked(method: _F) -> _F:
@@ -158,10 +162,10 @@ class Ledger:
             prev = self.versions[-1]
             if versions is not prev and versions != prev:
                 self.events.append(Event(self.count, "between",
-                                         f"(between {self.events[-1].label} and {upcoming})"))
+                                         f"(between {self.events[-1].label} and {upcoming})",
+                                         thread=threading.get_ident()))
                 self.versions.append(versions)
 
-    @_locked
     def record(
         self,
         kind: str,
@@ -172,35 +176,80 @@ class Ledger:
         seq: int | None = None,
         module: str | None = None,
         frees: bool = False,
+        unchanged: bool = False,
     ) -> Event:
         """Add an event; changes since the last one go to ``cause`` or to the interval.
 
         Once events come from more than one thread, ``label`` and ``cause``
-        name the thread they happen on.
+        name the thread they happen on. ``unchanged``: the caller saw (with
+        :meth:`quiet`) that no version moved between the last event and this
+        one, and versions have moved since; the event gets the last event's.
         """
-        self.count += 1
         me = threading.get_ident()
-        if self._first_thread is None:
-            self._first_thread = me
-        elif me != self._first_thread:
-            self.threaded = True
-        if self.threaded:
-            label = self.on_thread(label)
-            if cause is not None:
-                cause = replace(cause, description=self.on_thread(cause.description))
-        if kind.endswith("_end"):
-            # "end of backward #2", placed at the line that started it
-            start = next((e for e in reversed(self.events) if e.label == label), None)
-            label, site = f"end of {label}", site or (start.site if start else None)
-        event = Event(self.count, kind, label, site, seq, module=module, frees=frees)
-        versions = self._scan(cause, label, site, notes)
-        if cause is None:
-            # A change made before this event, not by it, gets its own row, so
-            # that e.g. a backward row never shows a bump.
-            self._between_row(versions, label)
-        self.events.append(event)
-        self.versions.append(versions)
-        return event
+        with self._lock:  # inline, not @_locked: six of these a training step
+            self.count += 1
+            if me != self._first_thread:
+                if self._first_thread is None:
+                    self._first_thread = me
+                else:
+                    self.threaded = True
+            if self.threaded:
+                label = self.on_thread(label)
+                if cause is not None:
+                    cause = replace(cause, description=self.on_thread(cause.description))
+            if kind.endswith("_end"):
+                # "end of backward #2", placed at the line that started it
+                start = next((e for e in reversed(self.events) if e.label == label), None)
+                label, site = f"end of {label}", site or (start.site if start else None)
+            event = Event(self.count, kind, label, site, seq, me, module, frees)
+            layout = self._layout
+            if unchanged and layout is not None:
+                self.events.append(event)
+                self.versions.append(layout[4])
+                return event
+            versions = self._scan(cause, label, site, notes)
+            if cause is None:
+                # A change made before this event, not by it, gets its own row, so
+                # that e.g. a backward row never shows a bump.
+                self._between_row(versions, label)
+            self.events.append(event)
+            self.versions.append(versions)
+            return event
+
+    def end(self, kind: str, label: str, cause: Callable[[], Modification],
+            seq: int | None = None) -> Event:
+        """:meth:`record` an end event (``forward_end``, ``backward_end``).
+
+        ``cause`` makes its Modification, which only a version that moved
+        during the forward or backward needs: usually none did.
+        """
+        with self._lock:
+            layout = self._layout
+            if layout is not None and not self.threaded:
+                try:
+                    now = [r()._version for r in layout[1]]  # type: ignore[union-attr]
+                except AttributeError:  # a watched tensor died: the full record drops it
+                    now = None
+                if now == layout[3]:
+                    return self.record(kind, label, seq=seq, unchanged=True)
+            return self.record(kind, label, None, cause=cause(), seq=seq)
+
+    def quiet(self, since: list[int] | None = None) -> list[int] | None:
+        """The watched versions now if none moved since the last event (or ``since``), else None.
+
+        Lock-free: the hot path of a forward under
+        ``no_grad``. None also when the answer needs the slow path (a tensor
+        died, or the tracked set changed).
+        """
+        layout = self._layout
+        if layout is None:
+            return None
+        try:
+            # A list comprehension: faster here than map() over the C getters.
+            now = [r()._version for r in layout[1]]  # type: ignore[union-attr]
+        except AttributeError:  # a dead reference gave None
+            return None
+        return now if now == (layout[3] if since is None else since) else None
 
     def _scan(
         self,

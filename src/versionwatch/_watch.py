@@ -11,6 +11,7 @@ events that moved them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
@@ -28,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from versionwatch import _distributed, _forward, _inflight, _repair, _strict
 from versionwatch._call import BadCall, read_once, rejected
-from versionwatch._compat import SAVED_INTROSPECTION
+from versionwatch._compat import SAVED_INTROSPECTION, sequence_nr
 from versionwatch._config import Policy, resolve_policy
 from versionwatch._errors import InplaceHazardWarning
 from versionwatch._explain import fix_for, render_report
@@ -198,7 +199,13 @@ def _uninstall() -> None:
 
 
 def _seq_clock() -> int:
-    """The autograd sequence number now: nodes made before have a smaller one."""
+    """The autograd sequence number now: nodes made before have a number no larger, after larger.
+
+    The number of a node made now, less one: that is what a probe node made
+    here would have got, without making one (a tensor and a node, about 10 us).
+    """
+    if sequence_nr is not None:
+        return sequence_nr() - 1
     if torch.is_inference_mode_enabled():
         # An inference tensor records no node; the counter is the same outside.
         with torch.inference_mode(False):
@@ -357,7 +364,8 @@ class Watcher:
         self.reports: deque[Report] = deque(maxlen=100)
         self._names: dict[int, str] = {}
         self._roots: dict[str, weakref.ref[nn.Module]] = {}
-        self._forwards: dict[str, int] = {}
+        self._forwards: dict[str, int] = {}  # the last forward number of each root
+        self._counters: dict[str, Iterator[int]] = {}
         # Route name of a DDP root's inner module -> the DDP root's name.
         self._synced: dict[str, str] = {}
         # FSDP2 roots: their unsharded parameters appear at the first forward.
@@ -418,6 +426,7 @@ class Watcher:
             _strict.name_modules(module, name)
         self._roots[name] = weakref.ref(module)
         self._forwards[name] = 0
+        self._counters[name] = itertools.count(1)
         for key, (qual, t) in module_tensors(module, name + ".").items():
             if key not in self._names:
                 self._names[key] = qual
@@ -513,7 +522,17 @@ class Watcher:
                 return
 
     # -- events ----------------------------------------------------------------------
-    def _on_forward(self, root: str, pre: bool) -> None:
+    def _on_forward(self, root: str, pre: bool, token: Any = None) -> Any:
+        """Record a root's forward: ``pre`` before it runs (returns a token), then after it.
+
+        A forward under ``no_grad`` or ``inference_mode`` saves nothing for
+        backward, so the only fact it can add to an explanation is a write to a
+        watched tensor while it runs (a BatchNorm's running stats in training
+        mode). Such a forward reads the versions before and after, and records
+        its events only if they moved: an acting forward in a reinforcement
+        learning loop then costs two version reads instead of two events. Its
+        site is read after the call if needed: the caller's line is the same.
+        """
         if self._synced and root in self._synced:
             if pre:
                 outer = self._synced[root]
@@ -523,31 +542,42 @@ class Watcher:
                     cause=Modification(
                         "ddp_buffer_broadcast",
                         f"DistributedDataParallel's buffer broadcast in {label} of {outer}"))
-            return
+            return None
         if pre:
-            with _LOCK:
-                self._forwards[root] += 1
-                n = self._forwards[root]
-            # Only a forward under grad mode creates nodes to tell apart.
-            seq = _seq_clock() if torch.is_grad_enabled() else None
+            # next() is atomic: threads number from one counter, with no lock.
+            n = self._forwards[root] = next(self._counters[root])
+            if not torch.is_grad_enabled():
+                before = self.ledger.quiet()
+                if before is not None:
+                    return n, before
+                seq = None
+            else:
+                seq = _seq_clock()  # nodes it creates get larger sequence numbers
             event = self.ledger.record("forward", self._label(root, n), user_site(3), seq=seq,
                                       module=root)
             if self.strict:
                 _strict._LOCAL.forward = (
                     f"{event.label} at {event.site}" if event.site else event.label)
-        else:
-            label = self._label(root, self._forwards[root])
-            if self.strict:
-                _strict._LOCAL.forward = None
-            # The clock at the end too: nodes numbered between the two were made
-            # by this forward, activations included (ledger.place_forward).
-            seq = _seq_clock() if torch.is_grad_enabled() else None
-            if self._sharded and root in self._sharded:
-                self._track_unsharded(root)
-            self.ledger.record(
-                "forward_end", label, None,
-                cause=Modification("module_forward", f"during {label} of {root}"), seq=seq,
-            )
+            return n, None
+        n, before = token
+        if self._sharded and root in self._sharded:
+            self._track_unsharded(root)
+        if before is not None and self.ledger.quiet(before) is not None:
+            return None  # nothing moved: as if the forward never ran, for the ledger
+        label = self._label(root, n)
+        if before is not None:
+            # It wrote to a watched tensor: its events after all; nothing
+            # moved before it began (``before`` was the last event's versions).
+            self.ledger.record("forward", label, user_site(3), module=root, unchanged=True)
+        elif self.strict:
+            _strict._LOCAL.forward = None
+        # The clock at the end too: nodes numbered between the two were made
+        # by this forward, activations included (ledger.place_forward).
+        seq = _seq_clock() if torch.is_grad_enabled() else None
+        self.ledger.end("forward_end", label,
+                        lambda: Modification("module_forward", f"during {label} of {root}"),
+                        seq=seq)
+        return None
 
     def _on_zero_grad(self, opt: Optimizer, set_to_none: bool) -> None:
         if self.strict:
@@ -555,15 +585,15 @@ class Watcher:
         state = self._optimizer(opt)
         if state is None:
             return
-        params, trs = self._watched(opt)
         if set_to_none:  # every .grad is None now
             # Until some zero_grad keeps grads, every mark is None or _NO_GRAD,
             # and both mean the same to _on_step_pre: nothing to update.
-            for tr in trs if self._kept_grads else ():
+            for tr in self._watched(opt)[1] if self._kept_grads else ():
                 if tr is not None:
                     tr.grad_mark = _NO_GRAD
         else:
             self._kept_grads = True
+            params, trs = self._watched(opt)
             for p, tr in zip(params, trs):
                 if tr is not None:
                     g = p.grad
@@ -812,8 +842,8 @@ class Watcher:
         return {k: c for k, c in silent.items() if on.get(k, me) == me}
 
     def _end_backward(self, n: int) -> None:
-        self.ledger.record("backward_end", f"backward #{n}", None,
-                           cause=Modification("backward", f"during backward #{n}"))
+        self.ledger.end("backward_end", f"backward #{n}",
+                        lambda: Modification("backward", f"during backward #{n}"))
 
     def _scope(self) -> list[Watcher]:
         """This watcher, then the other open watchers of its thread, innermost first."""
