@@ -371,8 +371,9 @@ class Ledger:
     def place_forward(self, h: Hazard) -> bool:
         """Name the forward (and its module) that made ``h``'s saving node, by sequence number.
 
-        A forward's events hold the autograd clock at its start and end: a node
-        numbered between them was made inside it. Clocks count per thread, so
+        A forward's events hold the autograd clock at its start and end (the
+        number of the last node made by then): a node numbered above the first
+        and at most the second was made inside it. Clocks count per thread, so
         only this thread's forwards compare (the backward's thread stands in
         for the forward's, as in :meth:`blame`); the innermost range wins.
         """
@@ -390,7 +391,7 @@ class Ledger:
             elif ev.kind == "forward_end":
                 start = starts.pop(ev.label[len("end of "):], None)
                 if start is not None and start.seq is not None \
-                        and start.seq < seq < ev.seq \
+                        and start.seq < seq <= ev.seq \
                         and (best is None or ev.seq - start.seq < best[0]):
                     best = (ev.seq - start.seq, start)
         if best is None:
@@ -411,7 +412,7 @@ class Ledger:
         me = threading.get_ident()
         backwards = [ev for ev in self.events if ev.kind == "backward"]
         for ev in backwards[:-1]:
-            if ev.frees and ev.thread == me and ev.seq is not None and ev.seq > seq:
+            if ev.frees and ev.thread == me and ev.seq is not None and ev.seq >= seq:
                 return ev
         return None
 

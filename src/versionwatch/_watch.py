@@ -914,7 +914,7 @@ class Watcher:
                 continue
             h.freed_by = Modification(
                 "backward", freer.label, freer.site)
-            if root_seq is None or freer.seq is None or root_seq < freer.seq:
+            if root_seq is None or freer.seq is None or root_seq <= freer.seq:
                 continue  # the same graph, run a second time
             if carrier is None:
                 carrier = _carrier(frame, h.node, h.seq) or ""
