@@ -272,6 +272,55 @@ def test_sigterm_writes_the_report_then_dies_of_it(tmp_path: Path) -> None:
     assert doc["timeline"]["events"], doc
 
 
+BLOCKED = """\
+import sys
+import time
+import torch.distributed as dist
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+print("ready", flush=True)
+if rank == 0:
+    dist.barrier()  # rank 1 never comes: blocked in gloo's C++, Python handlers wait
+else:
+    time.sleep(60)
+"""
+
+
+def test_sigterm_while_blocked_in_a_collective(tmp_path: Path) -> None:
+    """A rank stuck in a collective never runs a Python signal handler; the report comes anyway.
+
+    Rank 1 (plain, alive) never joins rank 0's barrier, so gloo does not fail it
+    either: only the thread that reads the signal's wakeup byte can write rank 0's
+    report. Without it, rank 0 would sit in the barrier until the test's deadline.
+    """
+    (tmp_path / "blocked.py").write_text(BLOCKED)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    port = str(_free_port())
+    watched = subprocess.Popen([sys.executable, "-m", "versionwatch", "run", "--json", "r.json",
+                                "blocked.py", "0", port], cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    plain = subprocess.Popen([sys.executable, "blocked.py", "1", port], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        for p in (watched, plain):
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        time.sleep(1)  # into the barrier (were it not, the main thread's handler writes)
+        watched.send_signal(signal.SIGTERM)
+        watched.wait(timeout=30)
+    finally:
+        for p in (watched, plain):
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert watched.returncode == -signal.SIGTERM, watched.stderr
+    doc = json.loads((tmp_path / "r.rank0.json").read_text())
+    assert (doc["exit_status"], doc["exception"], doc["rank"], doc["world_size"]) == (
+        143, "terminated by SIGTERM", 0, 2)
+
+
 def test_rank_path() -> None:
     assert rank_path("report.json", 1) == "report.rank1.json"
     assert rank_path(os.path.join("out", "r.v1.json"), 0) == os.path.join("out", "r.v1.rank0.json")
