@@ -272,6 +272,31 @@ def test_sigterm_writes_the_report_then_dies_of_it(tmp_path: Path) -> None:
     assert doc["timeline"]["events"], doc
 
 
+def test_sigterm_handler_of_the_program_is_kept(tmp_path: Path) -> None:
+    """A program that handles SIGTERM itself: its handler runs, as without versionwatch."""
+    (tmp_path / "handles.py").write_text(
+        "import signal, sys, time, torch\n"
+        "def bye(signum, frame):\n    print('handled', flush=True)\n    sys.exit(3)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "m = torch.nn.Linear(2, 1)\nm(torch.ones(1, 2)).sum().backward()\n"
+        "print('ready', flush=True)\ntime.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    p = subprocess.Popen([sys.executable, "-m", "versionwatch", "run", "--json", "r.json",
+                          "handles.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 3 and out == "handled\n", (p.returncode, out)
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert (doc["exit_status"], doc["exception"]) == (3, None)
+
+
 BLOCKED = """\
 import sys
 import time
