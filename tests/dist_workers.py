@@ -62,7 +62,7 @@ def _disc() -> nn.Module:
 
 def ddp_worker(rank: int, port: int, out: str) -> None:
     _init(rank, port)
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"env_rank": os.environ.get("RANK")}
     try:
         for strict in (False, True):
             # Two forwards (fake, then real) before one backward, buffers broadcast;

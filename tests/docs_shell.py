@@ -71,6 +71,11 @@ def _child(argv: list[str], env: dict[str, str], out: str) -> NoReturn:
     os.close(fd)
     os.environ.clear()
     os.environ.update(env)
+    # A fresh process's multiprocessing takes its start folder at import: spawned
+    # children (mp.spawn) find the main script from it, here the page's folder.
+    mp_process = sys.modules.get("multiprocessing.process")
+    if mp_process is not None:
+        mp_process.ORIGINAL_DIR = os.getcwd()
     code = 0
     try:
         _run(argv)

@@ -117,6 +117,7 @@ def _nccl_worker(rank: int, port: int, out: str) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
+@pytest.mark.usefixtures("no_process_left")  # conftest.py: no rank outlives the test
 def test_ddp_buffer_broadcast_nccl(tmp_path: Path) -> None:
     """Whatever this torch's NCCL broadcast does, the prediction is PyTorch's outcome."""
     import torch.multiprocessing as mp

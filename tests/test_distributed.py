@@ -26,8 +26,11 @@ from versionwatch._compat import fsdp2_runs_on_cpu, fully_shard_fn
 from versionwatch._ranks import MergeError, merge, rank_path, render_merged
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                       reason="torch.distributed with gloo is not available"),
+    pytest.mark.usefixtures("no_process_left"),  # conftest.py: no rank outlives its test
+]
 
 
 def _free_port() -> int:
@@ -53,9 +56,13 @@ def _spawn(fn: Callable[..., None], out: Path, timeout: float = 50) -> list[dict
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_ddp_buffer_broadcast(tmp_path: Path) -> None:
+def test_ddp_buffer_broadcast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two forwards before backward under DDP: no false alarm; a bump is blamed on DDP."""
+    # As mp.spawn starts them: no RANK, so the reports' rank is get_rank()'s.
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
     for rank, res in enumerate(_spawn(dist_workers.ddp_worker, tmp_path)):
+        assert res["env_rank"] is None
         for mode in ("default", "strict"):
             r = res[f"broadcast_{mode}"]
             assert r["real"] == r["plain"], (rank, mode, r)
@@ -176,9 +183,11 @@ def test_torchrun_reports_per_rank_and_merge(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "merged.json").read_text())["schema"] == "versionwatch.ranks/1"
 
 
-def test_torchrun_no_python_console_script(tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The documented form: `torchrun --no-python versionwatch run ...`."""
+@pytest.mark.parametrize("form", [["-m", "versionwatch"], ["--no-python", "versionwatch"]],
+                         ids=["torchrun-m", "torchrun-no-python"])
+def test_torchrun_console_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                 form: list[str]) -> None:
+    """`torchrun -m versionwatch run ...`, and the documented `torchrun --no-python ...`."""
     bin_dir = Path(sys.executable).parent
     if not (bin_dir / "torchrun").is_file() or not (bin_dir / "versionwatch").is_file():
         pytest.skip("torchrun or the versionwatch console script is not installed here")
@@ -187,12 +196,56 @@ def test_torchrun_no_python_console_script(tmp_path: Path,
         "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
         "m(torch.ones(3, 2)).sum().backward()\ndist.destroy_process_group()\n")
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    p = _torchrun(["--no-python", "versionwatch", "run", "--json", "r.json", "ok.py"],
+    p = _torchrun([*form, "run", "--json", "r.json", "ok.py"],
                   tmp_path, launcher=[str(bin_dir / "torchrun")])
     assert p.returncode == 0, p.stdout
     for r in range(2):
         doc = json.loads((tmp_path / f"r.rank{r}.json").read_text())
         assert (doc["rank"], doc["ok"], doc["exit_status"]) == (r, True, 0)
+
+
+RANKED = """\
+import sys
+import torch
+import torch.distributed as dist
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+model(torch.ones(3, 2)).sum().backward()
+dist.destroy_process_group()
+"""
+
+
+def test_rank_from_the_process_group_without_torchrun(tmp_path: Path) -> None:
+    """Ranks that set up their group themselves (no RANK) still write a file each.
+
+    Neither rank has a hazard and both tear their group down before the report
+    is written: the rank is the one the run saw.
+    """
+    (tmp_path / "ranked.py").write_text(RANKED)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("VERSIONWATCH_")}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "versionwatch", "run", "--json", "r.json",
+                               "ranked.py", str(r), port], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=50)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert not (tmp_path / "r.json").exists()
+    for r in range(2):
+        doc = json.loads((tmp_path / f"r.rank{r}.json").read_text())
+        assert (doc["rank"], doc["world_size"], doc["ok"]) == (r, 2, True)
 
 
 def test_sigterm_writes_the_report_then_dies_of_it(tmp_path: Path) -> None:
@@ -217,6 +270,80 @@ def test_sigterm_writes_the_report_then_dies_of_it(tmp_path: Path) -> None:
     assert (doc["exit_status"], doc["exception"], "rank" in doc) == (
         143, "terminated by SIGTERM", False)
     assert doc["timeline"]["events"], doc
+
+
+def test_sigterm_handler_of_the_program_is_kept(tmp_path: Path) -> None:
+    """A program that handles SIGTERM itself: its handler runs, as without versionwatch."""
+    (tmp_path / "handles.py").write_text(
+        "import signal, sys, time, torch\n"
+        "def bye(signum, frame):\n    print('handled', flush=True)\n    sys.exit(3)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "m = torch.nn.Linear(2, 1)\nm(torch.ones(1, 2)).sum().backward()\n"
+        "print('ready', flush=True)\ntime.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    p = subprocess.Popen([sys.executable, "-m", "versionwatch", "run", "--json", "r.json",
+                          "handles.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 3 and out == "handled\n", (p.returncode, out)
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert (doc["exit_status"], doc["exception"]) == (3, None)
+
+
+BLOCKED = """\
+import sys
+import time
+import torch.distributed as dist
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+print("ready", flush=True)
+if rank == 0:
+    dist.barrier()  # rank 1 never comes: blocked in gloo's C++, Python handlers wait
+else:
+    time.sleep(60)
+"""
+
+
+def test_sigterm_while_blocked_in_a_collective(tmp_path: Path) -> None:
+    """A rank stuck in a collective never runs a Python signal handler; the report comes anyway.
+
+    Rank 1 (plain, alive) never joins rank 0's barrier, so gloo does not fail it
+    either: only the thread that reads the signal's wakeup byte can write rank 0's
+    report. Without it, rank 0 would sit in the barrier until the test's deadline.
+    """
+    (tmp_path / "blocked.py").write_text(BLOCKED)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    port = str(_free_port())
+    watched = subprocess.Popen([sys.executable, "-m", "versionwatch", "run", "--json", "r.json",
+                                "blocked.py", "0", port], cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    plain = subprocess.Popen([sys.executable, "blocked.py", "1", port], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        for p in (watched, plain):
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        time.sleep(1)  # into the barrier (were it not, the main thread's handler writes)
+        watched.send_signal(signal.SIGTERM)
+        watched.wait(timeout=30)
+    finally:
+        for p in (watched, plain):
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert watched.returncode == -signal.SIGTERM, watched.stderr
+    doc = json.loads((tmp_path / "r.rank0.json").read_text())
+    assert (doc["exit_status"], doc["exception"], doc["rank"], doc["world_size"]) == (
+        143, "terminated by SIGTERM", 0, 2)
 
 
 def test_rank_path() -> None:

@@ -334,6 +334,7 @@ STATUS: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {
     ("distributed.md", "python -m torch.distributed.run --standalone --nproc-per-node 2 -m "
      "versionwatch run --json report.json train_ddp.py"): (1, ()),
     ("distributed.md", "versionwatch merge report.rank0.json report.rank1.json"): (1, ()),
+    ("distributed.md", "versionwatch merge spawn.rank1.json"): (1, ()),
 }
 
 # Pages whose commands run in the repository: the benchmarks are its own scripts, and

@@ -13,7 +13,7 @@ import weakref
 
 from torch import nn
 
-from versionwatch import _forward
+from versionwatch import _distributed, _forward
 from versionwatch._config import Policy
 from versionwatch._watch import Watcher, _variable_name
 
@@ -32,6 +32,9 @@ class AutoWatcher(Watcher):
         # module call, where a WeakSet's lookup cost four times as much.
         self._seen: dict[int, weakref.ref[nn.Module]] = {}
         self._handles.append(_forward.add_adopter(self))
+        # (rank, world_size) when a root was adopted in a process group: the
+        # group may be gone by the time ``versionwatch run`` names its files.
+        self.rank_seen: tuple[int, int] | None = None
 
     def _label(self, root: str, n: int) -> str:
         # Roots appear one by one here, so labels always carry the root's name.
@@ -41,6 +44,8 @@ class AutoWatcher(Watcher):
         if next(module.parameters(), None) is None and next(module.buffers(), None) is None:
             self._see(module)  # a loss function: nothing to watch
             return
+        # Once per root: DDP and FSDP2 roots first run inside their process group.
+        self.rank_seen = _distributed.rank() or self.rank_seen
         name = _variable_name(module, 2)
         taken = set(self._roots)
         unique, k = name, 1

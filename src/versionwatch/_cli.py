@@ -143,8 +143,10 @@ def _write_outputs(args: argparse.Namespace, watcher: Any, status: int,
 
     reports: list[Report] = list(watcher.reports)
     hazards = [h for r in reports for h in r.to_dict()["hazards"]]
-    # Torn down by now under mp.spawn: the rank the reports saw then.
-    rank = current_rank() or next((r.rank for r in reports if r.rank is not None), None)
+    # The group is torn down by now in most programs, and a rank whose process
+    # group was set up without torchrun has no RANK: the rank seen during the run.
+    rank = (current_rank() or next((r.rank for r in reports if r.rank is not None), None)
+            or getattr(watcher, "rank_seen", None))
     if rank is not None:  # each rank its own files, not all of them the same
         for option in ("json", "dot", "svg"):
             if getattr(args, option):
