@@ -48,7 +48,15 @@ from versionwatch._compat import (
 )
 from versionwatch._errors import InplaceHazardWarning
 from versionwatch._graph import Graph, lease
-from versionwatch._predict import _COPY_SLICES, _CUSTOM, _FREED, TRUSTED_UNPACK, _planned
+from versionwatch._predict import (
+    _COPY_SLICES,
+    _CUSTOM,
+    _FREED,
+    _PLANS,
+    TRUSTED_UNPACK,
+    _plan,
+    _planned,
+)
 from versionwatch._report import Repair, Site, size
 
 _MIN_BUDGET = 64 << 20
@@ -218,11 +226,15 @@ class Repairer:
         seen = list(self.roots)
         live: list[_Root] = []
         fns: list[Any] = []
+        # Where a raw slot shows its data, the walk itself stops at a freed node,
+        # so a freed graph costs it no more than the separate check would, and a
+        # live one is not read twice. Old torch's walk cannot see a freed slot.
+        check = not SAVED_INTROSPECTION
         for root in seen:
             t = root.ref()
             fn = t.grad_fn if t is not None else None
             del t
-            if fn is not None and not _freed(fn):
+            if fn is not None and not (check and _freed(fn)):
                 live.append(root)
                 fns.append(fn)
         if fns:
@@ -256,15 +268,18 @@ class Repairer:
         live = False
         matches: list[tuple[Any, Any, torch.Tensor, int, str]] = []
         intro = SAVED_INTROSPECTION
+        plans = _PLANS
         try:
             i = 0
             while i < len(nodes):
                 node = nodes[i]
                 i += 1
                 freed = False
-                for _, _, plan in _planned((node,), None):
-                    if plan is _COPY_SLICES:
-                        continue  # its saved tensors are out of Python's reach
+                plan = plans.get(type(node))
+                if plan is None:
+                    plan = _plan(node)
+                # Nothing saved, or (CopySlices) saved out of Python's reach.
+                if plan and plan is not _COPY_SLICES:
                     freed = intro and plan is not _CUSTOM
                     for _, raw_attr, saved_attr in plan:
                         if intro:
@@ -358,8 +373,7 @@ class Repairer:
             nbytes = source.numel() * source.element_size()
             if not self.fits(nbytes):
                 return None
-            with torch.no_grad():
-                whole = source.clone()
+            whole = source.detach().clone()  # no graph: cheaper than entering no_grad
             self._hold(whole)
             if not shared:
                 return whole, nbytes
