@@ -238,20 +238,22 @@ class Repairer:
                 live.append(root)
                 fns.append(fn)
         if fns:
-            stepped = {id(p): p for p in params if p.grad is not None}
-            if stepped and not self._repair_graph(fns, live, stepped, names, step, site):
+            if not self._repair_graph(fns, live, params, names, step, site):
                 live = []
         with self._lock:
             # Roots another thread added meanwhile stay.
             self.roots = live + [r for r in self.roots if not any(r is o for o in seen)]
         return self.count - before
 
-    def _repair_graph(self, fns: list[Any], roots: list[_Root], stepped: dict[int, torch.Tensor],
+    def _repair_graph(self, fns: list[Any], roots: list[_Root], params: Iterable[torch.Tensor],
                       names: dict[int, str], step: str, site: Site | None) -> bool:
         """Walk the live graphs; returns whether they still save any watched tensor.
 
         The hot loop: per saved slot, one raw read, its hook and its data; a
-        slot that holds a stepped parameter then gets PyTorch's check and a copy.
+        slot that holds a watched tensor is a candidate; after the walk, those
+        that hold a parameter the step updates (its ``.grad`` is set) get
+        PyTorch's check and a copy. The set of updated parameters is built
+        only then: a freed graph (the common case) never needs it.
         The walk stops at a node whose saved tensors backward freed: a backward
         frees every node it runs, so what lies below was freed with it (a
         generator's graph under a discriminator's, after the generator's loss
@@ -298,18 +300,14 @@ class Repairer:
                                 base = data._base
                                 key = id(data if base is None else base)
                                 if key in names:
-                                    live = True
-                                    if key in stepped:
-                                        matches.append((node, raw, data, 1, saved_attr))
+                                    matches.append((node, raw, data, 1, saved_attr))
                                 continue
                             freed = False
                         for raw, data, how in self._slots(node, raw_attr, saved_attr):
                             base = data._base
                             key = id(data if base is None else base)
                             if key in names:
-                                live = True
-                                if key in stepped:
-                                    matches.append((node, raw, data, how, saved_attr))
+                                matches.append((node, raw, data, how, saved_attr))
                 if freed:
                     nexts.append(())
                     continue
@@ -319,6 +317,10 @@ class Repairer:
                     if fn is not None and fn not in index:
                         index[fn] = len(nodes)
                         nodes.append(fn)
+            live = bool(matches)
+            if matches:
+                stepped = {id(p) for p in params if p.grad is not None}
+                matches = [m for m in matches if id(_base(m[2])) in stepped]
             if matches:
                 self._repair_matches(matches, roots, names, step, site)
         finally:
@@ -460,6 +462,11 @@ class Repairer:
                              "losses.append(loss)), which keeps every such graph alive")
             parts.append(text)
         return "It is kept alive by " + "; ".join(parts) if parts else "It is still referenced"
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    base = t._base
+    return t if base is None else base
 
 
 def _freed(fn: Any) -> bool:
