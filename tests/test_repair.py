@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -393,3 +394,136 @@ def test_cuda_peak_memory_is_the_copies():
         return peak - copied
 
     assert go("repair") <= go("raise")
+
+
+def test_peak_extra_memory_is_the_tracked_copies():
+    """What the step allocates beyond the default mode's step is exactly the copies.
+
+    Three independent tallies must agree: the bytes PyTorch's allocator hands
+    out during the step (the profiler's CPU memory events), the distinct
+    storages that the repaired slots now hold, and ``repair_summary()``.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    def step(policy: str) -> tuple[int, int, dict[str, Any], int]:
+        torch.manual_seed(0)
+        G, D = MLP((8, 32, 16)), MLP((16, 64, 1))
+        opt_d = torch.optim.SGD(D.parameters(), lr=0.1)
+        with versionwatch.watch({"G": G, "D": D}, opt_d, on_hazard=policy) as w:  # type: ignore[arg-type]
+            d_fake = D(G(torch.randn(4, 8)))
+            d_real = D(torch.randn(4, 16))
+            d_loss = (d_real - d_fake).pow(2).mean()
+            g_loss = d_fake.mean()
+            d_loss.backward(retain_graph=True)
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                opt_d.step()
+            allocated = sum(max(0, e.self_cpu_memory_usage) for e in prof.events())
+            params = {p.untyped_storage().data_ptr() for p in D.parameters()}
+            shapes = {s for p in D.parameters() if p.dim() == 2
+                      for s in (tuple(p.shape), tuple(p.t().shape))}
+            held: dict[int, int] = {}
+            # Under "raise" the stepped weights' slots are stale: only repair's are read.
+            for fn in _nodes(g_loss.grad_fn) if policy == "repair" else []:
+                for attr in dir(fn):
+                    if not attr.startswith("_saved_"):
+                        continue
+                    v = getattr(fn, attr)
+                    # A weight's shape (the activations here have a batch of 4), in
+                    # memory other than the weight's own: one of repair's copies.
+                    if isinstance(v, torch.Tensor) and tuple(v.shape) in shapes \
+                            and v.untyped_storage().data_ptr() not in params:
+                        st = v.untyped_storage()
+                        held[st.data_ptr()] = st.nbytes()
+            summary = w.repair_summary() if policy == "repair" else {}
+            if policy == "repair":
+                g_loss.backward()  # runs: the slots hold the weights the forward saw
+        return allocated, sum(held.values()), summary, sum(
+            p.numel() * 4 for p in D.parameters() if p.dim() == 2)
+
+    plain, _, _, _ = step("raise")
+    repaired, held, s, weights = step("repair")
+    # Both D forwards saved every weight (as weight.t()); each weight was copied once.
+    assert held == weights == s["copied_bytes"] == s["peak_bytes"] > 0
+    assert repaired - plain == s["copied_bytes"]
+
+
+def _nodes(root: Any) -> list[Any]:
+    seen, todo = [], [root]
+    while todo:
+        fn = todo.pop()
+        if fn is None or any(fn is s for s in seen):
+            continue
+        seen.append(fn)
+        todo += [n for n, _ in fn.next_functions]
+    return seen
+
+
+def test_user_saved_tensor_hooks_are_left_as_raise_leaves_them():
+    """A slot behind the user's own hooks is not copied: repair behaves as "raise".
+
+    PyTorch checks no version through hooks, so neither policy raises; both
+    report the slots as unverifiable, and the second backward uses what the
+    hooks return (here the updated weights), the same under both.
+    """
+    def run(policy: str) -> tuple[list[torch.Tensor], Any, list[Any]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with versionwatch.watch(model, opt, on_hazard=policy) as w:  # type: ignore[arg-type]
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                loss = model(torch.ones(3, 4)).pow(2).mean()
+            loss.backward(retain_graph=True)
+            opt.step()
+            report = versionwatch.check(loss)
+            opt.zero_grad()
+            loss.backward()
+        return [p.grad.clone() for p in model.parameters()], report, w.repairs
+
+    raised, r_raise, _ = run("raise")
+    repaired, r_repair, repairs = run("repair")
+    assert repairs == []
+    assert r_repair.unverifiable == r_raise.unverifiable
+    assert ("AddmmBackward0", "mat2") in r_repair.unverifiable
+    assert all(torch.equal(a, b) for a, b in zip(raised, repaired))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_write_on_another_thread_repaired_if_seen_else_raised(strict: bool):
+    """Strict mode sees writes on every thread (it wraps the ops): repaired.
+
+    Default mode sees no in-place op on an activation, on any thread: raised,
+    exactly as under "raise".
+    """
+    def run(policy: str, strict: bool) -> tuple[list[torch.Tensor], Any, list[Any]]:
+        torch.manual_seed(0)
+        model, head = MLP((5, 16, 16)), nn.Linear(16, 1)
+        with versionwatch.watch({"model": model, "head": head}, on_hazard=policy,  # type: ignore[arg-type]
+                                strict=strict) as w:
+            y = model(torch.randn(7, 5)).sigmoid()
+            loss = head(y).pow(2).mean()
+            t = threading.Thread(target=y.mul_, args=(2,))
+            t.start()
+            t.join()
+            assert y._version == 1
+            try:
+                loss.backward()
+            except versionwatch.InplaceModificationError as e:
+                return [], e, w.repairs
+        return [p.grad.clone() for p in [*model.parameters(), *head.parameters()]], None, w.repairs
+
+    grads, error, repairs = run("repair", strict)
+    if strict:
+        assert error is None and repairs
+        assert grads and all(torch.equal(a, b) for a, b in zip(grads, _activation_clone_grads()))
+    else:
+        _, raised, _ = run("raise", False)
+        assert repairs == [] and error is not None and raised is not None
+        assert re.sub(r"\.py:\d+", "", str(error)) == re.sub(r"\.py:\d+", "", str(raised))
+
+
+def _activation_clone_grads() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model, head = MLP((5, 16, 16), clone=True), nn.Linear(16, 1)
+    y = model(torch.randn(7, 5)).sigmoid()
+    head(y).pow(2).mean().backward()
+    return [p.grad.clone() for p in [*model.parameters(), *head.parameters()]]

@@ -48,7 +48,15 @@ from versionwatch._compat import (
 )
 from versionwatch._errors import InplaceHazardWarning
 from versionwatch._graph import Graph, lease
-from versionwatch._predict import _COPY_SLICES, _CUSTOM, _FREED, TRUSTED_UNPACK, _planned
+from versionwatch._predict import (
+    _COPY_SLICES,
+    _CUSTOM,
+    _FREED,
+    _PLANS,
+    TRUSTED_UNPACK,
+    _plan,
+    _planned,
+)
 from versionwatch._report import Repair, Site, size
 
 _MIN_BUDGET = 64 << 20
@@ -218,28 +226,34 @@ class Repairer:
         seen = list(self.roots)
         live: list[_Root] = []
         fns: list[Any] = []
+        # Where a raw slot shows its data, the walk itself stops at a freed node,
+        # so a freed graph costs it no more than the separate check would, and a
+        # live one is not read twice. Old torch's walk cannot see a freed slot.
+        check = not SAVED_INTROSPECTION
         for root in seen:
             t = root.ref()
             fn = t.grad_fn if t is not None else None
             del t
-            if fn is not None and not _freed(fn):
+            if fn is not None and not (check and _freed(fn)):
                 live.append(root)
                 fns.append(fn)
         if fns:
-            stepped = {id(p): p for p in params if p.grad is not None}
-            if stepped and not self._repair_graph(fns, live, stepped, names, step, site):
+            if not self._repair_graph(fns, live, params, names, step, site):
                 live = []
         with self._lock:
             # Roots another thread added meanwhile stay.
             self.roots = live + [r for r in self.roots if not any(r is o for o in seen)]
         return self.count - before
 
-    def _repair_graph(self, fns: list[Any], roots: list[_Root], stepped: dict[int, torch.Tensor],
+    def _repair_graph(self, fns: list[Any], roots: list[_Root], params: Iterable[torch.Tensor],
                       names: dict[int, str], step: str, site: Site | None) -> bool:
         """Walk the live graphs; returns whether they still save any watched tensor.
 
         The hot loop: per saved slot, one raw read, its hook and its data; a
-        slot that holds a stepped parameter then gets PyTorch's check and a copy.
+        slot that holds a watched tensor is a candidate; after the walk, those
+        that hold a parameter the step updates (its ``.grad`` is set) get
+        PyTorch's check and a copy. The set of updated parameters is built
+        only then: a freed graph (the common case) never needs it.
         The walk stops at a node whose saved tensors backward freed: a backward
         frees every node it runs, so what lies below was freed with it (a
         generator's graph under a discriminator's, after the generator's loss
@@ -256,15 +270,18 @@ class Repairer:
         live = False
         matches: list[tuple[Any, Any, torch.Tensor, int, str]] = []
         intro = SAVED_INTROSPECTION
+        plans = _PLANS
         try:
             i = 0
             while i < len(nodes):
                 node = nodes[i]
                 i += 1
                 freed = False
-                for _, _, plan in _planned((node,), None):
-                    if plan is _COPY_SLICES:
-                        continue  # its saved tensors are out of Python's reach
+                plan = plans.get(type(node))
+                if plan is None:
+                    plan = _plan(node)
+                # Nothing saved, or (CopySlices) saved out of Python's reach.
+                if plan and plan is not _COPY_SLICES:
                     freed = intro and plan is not _CUSTOM
                     for _, raw_attr, saved_attr in plan:
                         if intro:
@@ -283,18 +300,14 @@ class Repairer:
                                 base = data._base
                                 key = id(data if base is None else base)
                                 if key in names:
-                                    live = True
-                                    if key in stepped:
-                                        matches.append((node, raw, data, 1, saved_attr))
+                                    matches.append((node, raw, data, 1, saved_attr))
                                 continue
                             freed = False
                         for raw, data, how in self._slots(node, raw_attr, saved_attr):
                             base = data._base
                             key = id(data if base is None else base)
                             if key in names:
-                                live = True
-                                if key in stepped:
-                                    matches.append((node, raw, data, how, saved_attr))
+                                matches.append((node, raw, data, how, saved_attr))
                 if freed:
                     nexts.append(())
                     continue
@@ -304,6 +317,10 @@ class Repairer:
                     if fn is not None and fn not in index:
                         index[fn] = len(nodes)
                         nodes.append(fn)
+            live = bool(matches)
+            if matches:
+                stepped = {id(p) for p in params if p.grad is not None}
+                matches = [m for m in matches if id(_base(m[2])) in stepped]
             if matches:
                 self._repair_matches(matches, roots, names, step, site)
         finally:
@@ -358,8 +375,7 @@ class Repairer:
             nbytes = source.numel() * source.element_size()
             if not self.fits(nbytes):
                 return None
-            with torch.no_grad():
-                whole = source.clone()
+            whole = source.detach().clone()  # no graph: cheaper than entering no_grad
             self._hold(whole)
             if not shared:
                 return whole, nbytes
@@ -446,6 +462,11 @@ class Repairer:
                              "losses.append(loss)), which keeps every such graph alive")
             parts.append(text)
         return "It is kept alive by " + "; ".join(parts) if parts else "It is still referenced"
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    base = t._base
+    return t if base is None else base
 
 
 def _freed(fn: Any) -> bool:
