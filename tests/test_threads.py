@@ -308,3 +308,31 @@ def test_closing_while_other_threads_run_autograd_is_clean() -> None:
     assert torch.autograd.backward.__module__ == "torch.autograd"
     from versionwatch import _inflight
     assert not _inflight._FLYING
+
+
+def test_a_later_thread_with_a_reused_ident_is_named():
+    """Threads one after another: a finished thread's ident often goes to the next.
+
+    worker-0's backward frees the graph, the first events of the watcher; worker-1
+    starts after it ended (in most tries with worker-0's ident) and fails: its
+    report names worker-1. Eight tries, each with a fresh watcher.
+    """
+    for _ in range(8):
+        reports: list[Report] = []
+        raised: list[str] = []
+        with versionwatch.watch_all(on_hazard=reports.append):
+            x = torch.ones(5, 5, requires_grad=True)
+            y = x + x ** 2
+
+            def worker(y: torch.Tensor = y, raised: list[str] = raised) -> None:
+                try:
+                    (y + y ** 2).sum().backward()
+                except RuntimeError:
+                    raised.append(threading.current_thread().name)
+
+            for k in range(2):
+                run_threads([worker], [f"worker-{k}"])
+        assert raised == ["worker-1"]
+        (report,) = reports
+        assert report.thread == "worker-1"
+        assert "on thread worker-1" in str(report)

@@ -112,6 +112,7 @@ class Ledger:
         # The first thread that recorded; once another one records, labels
         # and causes name their thread.
         self._first_thread: int | None = None
+        self._first_alive: weakref.ref[threading.Thread] | None = None
         self.threaded = False
 
     # -- tensors -------------------------------------------------------------------
@@ -191,8 +192,16 @@ class Ledger:
             if me != self._first_thread:
                 if self._first_thread is None:
                     self._first_thread = me
+                    # A thread that ends hands its ident on to a later one; the
+                    # main one ends last. Another first thread is kept (weakly) to
+                    # tell a later thread with its ident apart.
+                    if me != threading.main_thread().ident:
+                        self._first_alive = weakref.ref(threading.current_thread())
                 else:
                     self.threaded = True
+            elif self._first_alive is not None and not self.threaded \
+                    and self._first_alive() is not threading.current_thread():
+                self.threaded = True
             if self.threaded:
                 label = self.on_thread(label)
                 if cause is not None:
