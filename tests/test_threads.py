@@ -336,3 +336,52 @@ def test_a_later_thread_with_a_reused_ident_is_named():
         (report,) = reports
         assert report.thread == "worker-1"
         assert "on thread worker-1" in str(report)
+
+
+class _Act(nn.Module):
+    """An activation written in place inside forward: default mode has no line for it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).sigmoid()
+        s = h * 2
+        h.mul_(2)
+        return s.sum()
+
+
+def test_default_mode_names_each_threads_forward():
+    """Autograd's sequence numbers count per thread: each thread's forward ranges.
+
+    Two threads run their forwards side by side (both count from 0); each
+    activation is placed in its own thread's forward, even though the second
+    thread's first event comes while the first one's forward runs (its start
+    then lacks the thread's name that its end has). Ten tries.
+    """
+    for _ in range(10):
+        models = {"first": _Act(4), "second": _Act(6)}
+        got: dict[str, versionwatch.Hazard] = {}
+        barrier = threading.Barrier(2)
+
+        def train(name: str, got: dict[str, versionwatch.Hazard] = got,
+                  barrier: threading.Barrier = barrier,
+                  models: dict[str, nn.Module] = models) -> None:
+            x = torch.randn(2, 4)
+            barrier.wait()
+            loss = models[name](x)
+            barrier.wait()
+            try:
+                loss.backward()
+            except versionwatch.InplaceModificationError as e:
+                got[name] = e.report.hazards[0]
+
+        with versionwatch.watch(models):
+            run_threads([lambda n=n: train(n) for n in models], list(models))
+        assert sorted(got) == ["first", "second"]
+        for name, width in (("first", 4), ("second", 6)):
+            h = got[name]
+            assert h.shape == (2, width) and h.module == name
+            assert re.fullmatch(rf"{name}\.forward #1( on thread {name})? at .*",
+                                h.saved_during or ""), h.saved_during
