@@ -6,9 +6,10 @@ temporary working directory, with ``examples/`` importable. A block is compiled 
 block's own line numbers, as the docs show them. When the next fenced block is a
 ```text block (with no heading in between), it is the expected output: each of
 its non-empty lines must appear in what the block printed (stdout and stderr),
-runs of spaces collapsed; lines that hold a ``file:line`` site and lines that are
-just ``...`` are skipped, a ``...`` inside a line matches any text, and pytest's
-durations (``in 2.17s``) match any duration.
+runs of spaces collapsed, ``file:line`` sites included (the source line a report
+prints after a site may be missing: a block knows only its own lines as
+``example.py``'s source); lines that are just ``...`` are skipped, a ``...`` inside a
+line matches any text, and pytest's durations (``in 2.17s``) match any duration.
 
 Files: a ```py (or ```python) block whose fence names a file, ```py title="train.py"
 (mkdocs shows the name above the block), is that file. It is never run by itself: it
@@ -46,6 +47,7 @@ import importlib.util
 import inspect
 import io
 import json
+import linecache
 import logging
 import os
 import re
@@ -62,13 +64,14 @@ from typing import Any
 import pytest
 import torch
 
+from versionwatch import _sites
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 EXAMPLES = ROOT / "examples"
 DOC_FILES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
-_SITE = re.compile(r"\.py:\d+|<[^>\s]+>:\d+")
 _HEADING = re.compile(r"^\s{0,3}#{1,6}\s")
 _TITLE = re.compile(r'\btitle="([^"]+)"')
 _DURATION = re.compile(r"\bin \d+(?:\.\d+)?s\b")
@@ -129,15 +132,37 @@ def expected_lines(text_block: str) -> list[str]:
     keep = []
     for line in text_block.splitlines():
         norm = _normalize(line)
-        if not norm or norm == "..." or _SITE.search(line):
+        if not norm or norm == "...":
             continue
         keep.append(norm)
     return keep
 
 
+# A site and the source line after it: `example.py:10: h = f(x)`, up to ` (in ` or the end.
+_SITE_CODE = re.compile(r"(\S+\.py:\d+): (.*?)(?= \(in |$)")
+
+
+def _code_optional(line: str) -> re.Pattern[str]:
+    """``line`` with each site's source line optional.
+
+    A ```python block runs as ``example.py``, and only that block's lines are known
+    as its source: a site in a class or function of an earlier block prints no source
+    line, where the same program in one file would.
+    """
+    parts, pos = [], 0
+    for m in _SITE_CODE.finditer(line):
+        parts.append(re.escape(line[pos:m.start()]) + re.escape(m.group(1))
+                     + "(?:: " + re.escape(m.group(2)) + ")?")
+        pos = m.end()
+    return re.compile("".join(parts) + re.escape(line[pos:]))
+
+
 def _found(line: str, got: list[str]) -> bool:
     if "..." not in line:
-        return any(line in g for g in got)
+        if any(line in g for g in got):
+            return True
+        pattern = _code_optional(line)
+        return any(pattern.search(g) for g in got)
     pattern = re.compile(".*".join(re.escape(part) for part in line.split("...")))
     return any(pattern.search(g) for g in got)
 
@@ -199,6 +224,11 @@ def run_file(path: Path) -> list[tuple[Block, Block | None, str]]:
             old_show = warnings.showwarning
             warnings.showwarning = show
             try:
+                # As if example.py were a file: reports print a site's source line,
+                # this block's (versionwatch caches sites by file and line).
+                linecache.cache["example.py"] = (len(block.code), None,
+                                                 block.code.splitlines(True), "example.py")
+                _sites._SITES.clear()
                 with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
                     exec(compile(block.code, "example.py", "exec"), namespace)
             except BaseException as e:
@@ -671,8 +701,14 @@ def test_blocks_parse_fences_and_prose() -> None:
 
 def test_loose_comparison() -> None:
     expected = "a   b\n\n  at example.py:8\n...\nc"
-    assert missing_lines(expected, "x\na b\nc\n") == []
-    assert missing_lines(expected, "a b\n") == ["c"]
+    assert missing_lines(expected, "x\na b\n at example.py:8\nc\n") == []
+    assert missing_lines(expected, "a b\nat example.py:8\n") == ["c"]
+    # sites are compared; the source line after one may be missing (an earlier block's)
+    assert missing_lines(expected, "a b\nat example.py:9\nc") == ["at example.py:8"]
+    expected = "saved at example.py:10: h = f(x) (in net, at version 0)"
+    assert missing_lines(expected, "saved at example.py:10 (in net, at version 0)") == []
+    assert missing_lines(expected, "saved at example.py:10: h = g(x) (in net, at version 0)") \
+        == [expected]
     # "..." inside a line matches any text, in one line; pytest's durations match any
     expected = "Error: ... Hint: ...\n1 failed in 2.1s"
     assert missing_lines(expected, "Error: it broke. Hint: look\n== 1 failed in 0.52s ==") == []

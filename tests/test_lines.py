@@ -74,6 +74,44 @@ RNN = textwrap.dedent("""\
         opt.zero_grad()
 """)
 
+# A parameter that a step changes between the forward and the second backward.
+STEP = textwrap.dedent("""\
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.w3 = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            s = self.fc(x).tanh()
+            return s * self.w3
+
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    out = m(torch.randn(2, 4))
+    out.pow(2).mean().backward(retain_graph=True)
+    opt.step()
+    out.abs().mean().backward()
+""")
+
+# A weight clip in user code, under no_grad, between the forward and its backward.
+CLIP = textwrap.dedent("""\
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-0.1, 0.1)
+    loss.backward()
+""")
+
 TWICE = textwrap.dedent("""\
     import torch
 
@@ -226,3 +264,146 @@ def test_replay_refuses_torchrun_and_strict(tmp_path, monkeypatch, capsys):
     assert "with --strict or --stop-at-write the lines are there already" in \
         capsys.readouterr().err
     assert not (tmp_path / "ran").exists()
+
+
+HINT = ("`versionwatch run --replay ...` (or --strict, or watch(..., strict=True)) names "
+        "its line")
+
+
+def test_parameter_changed_by_a_step_in_every_mode(tmp_path, monkeypatch, capsys):
+    saved, call = line(STEP, "return s * self.w3"), line(STEP, "out = m(")
+    step, back = line(STEP, "opt.step()"), line(STEP, "out.abs().mean().backward()")
+    by_op = (f"saved by     MulBackward0.other at prog.py:{saved}: return s * self.w3 "
+             f"(in m, during m.forward #1 called at prog.py:{call}, at version 0)")
+    stepped = {"kind": "optimizer.step", "description": "SGD.step() #1", "file": "prog.py",
+               "line": step, "versions": [0, 1]}
+
+    status, err, h = run(tmp_path, monkeypatch, capsys, STEP, "--strict")
+    assert status == 1
+    assert by_op in err and f"modified by  SGD.step() #1 at prog.py:{step}: opt.step()" in err
+    assert h["saved_at"] == at("prog.py", saved, "return s * self.w3")
+    assert [(m["file"], m["line"]) for m in h["modified_by"]] == [("prog.py", step)]
+
+    # Default mode: the module, the forward, the step that wrote (the bounding
+    # event), and the one command that names the saving op's line.
+    status, err, h = run(tmp_path, monkeypatch, capsys, STEP)
+    assert status == 1
+    assert (f"saved by     MulBackward0.other in m, at version 0, during m.forward #1 at "
+            f"prog.py:{call}") in err
+    assert f"modified by  SGD.step() #1 at prog.py:{step} (version 0 -> 1)" in err
+    assert f"backward at  prog.py:{back}" in err and HINT in err
+    assert (h["module"], h["saved_during"]) == ("m", f"m.forward #1 at prog.py:{call}")
+    assert h["saved_at"] is None and h["modified_by"] == [stepped]
+    assert h["backward_site"] == {"file": "prog.py", "line": back}
+    assert [note for note in h["notes"] if HINT in note]
+
+    # --replay: strict's op line; the step stays a step, with its code.
+    status, err, h = run(tmp_path, monkeypatch, capsys, STEP, "--replay")
+    assert status == 1
+    report = err.split("versionwatch: --replay: running the same command again")[1]
+    assert by_op in report and HINT not in report
+    assert f"modified by  SGD.step() #1 at prog.py:{step} (version 0 -> 1): opt.step()" in report
+    assert h["saved_at"] == at("prog.py", saved, "return s * self.w3")
+    assert h["modified_by"] == [stepped] and h["notes"] == []
+    assert "same hazard at backward #2" in h["replay"]
+
+
+def test_no_grad_write_in_an_optimizer_strict(tmp_path, monkeypatch, capsys):
+    call, perturb = line(SAM, "out = model("), line(SAM, "p.add_(")
+    status, err, h = run(tmp_path, monkeypatch, capsys, SAM, "--strict")
+    assert status == 1
+    # nn.Linear's op runs in torch: the user's line of it is the forward's call.
+    assert (f"saved by     AddmmBackward0.mat2 at prog.py:{call}: "
+            "out = model(torch.randn(8, 4)) (in model.2, during model.forward #1 called at "
+            f"prog.py:{call}, at version 1)") in err
+    assert f"modified by  add_() at prog.py:{perturb}: p.add_(p.grad * 0.05)" in err
+    assert h["saved_at"] == at("prog.py", call, "out = model(torch.randn(8, 4))")
+    assert [(m["kind"], m["file"], m["line"]) for m in h["modified_by"]] == [
+        ("inplace_op", "prog.py", perturb)]
+
+
+def test_no_grad_write_default_mode_names_forward_and_hint(tmp_path, monkeypatch, capsys):
+    call = line(SAM, "out = model(")
+    status, err, h = run(tmp_path, monkeypatch, capsys, SAM)
+    assert status == 1
+    assert (f"saved by     AddmmBackward0.mat2 in model, at version 1, during model.forward #1 "
+            f"at prog.py:{call}") in err
+    assert "`versionwatch run --replay ...`" in err
+    assert (h["module"], h["saved_during"]) == ("model", f"model.forward #1 at prog.py:{call}")
+    assert any("--replay" in note for note in h["notes"])
+
+    status, err, h = run(tmp_path, monkeypatch, capsys, SAM, "--replay")
+    assert h["saved_at"] == at("prog.py", call, "out = model(torch.randn(8, 4))")
+    assert h["notes"] == []
+
+
+def test_weight_clip_in_user_code_in_every_mode(tmp_path, monkeypatch, capsys):
+    call, clip, back = line(CLIP, "loss = model("), line(CLIP, "p.clamp_("), \
+        line(CLIP, "loss.backward()")
+    code = "loss = model(torch.randn(8, 4)).pow(2).mean()"
+
+    status, err, h = run(tmp_path, monkeypatch, capsys, CLIP, "--strict")
+    assert status == 1
+    assert f"saved by     AddmmBackward0.mat2 at prog.py:{call}: {code} (in model.2" in err
+    assert f"modified by  clamp_() at prog.py:{clip}: p.clamp_(-0.1, 0.1)" in err
+    assert h["saved_at"] == at("prog.py", call, code)
+    assert [(m["kind"], m["line"]) for m in h["modified_by"]] == [("inplace_op", clip)]
+
+    status, err, h = run(tmp_path, monkeypatch, capsys, CLIP)
+    assert status == 1
+    bounded = (f"in user code between end of model.forward #1 (prog.py:{call}) "
+               f"and backward #1 (prog.py:{back})")
+    assert f"modified by  {bounded} (version 1 -> 2)" in err
+    assert "`versionwatch run --replay ...`" in err
+    assert (h["module"], h["saved_during"]) == ("model", f"model.forward #1 at prog.py:{call}")
+    (m,) = h["modified_by"]
+    assert m["kind"] == "between_events"
+    assert m["after"] == {"event": "end of model.forward #1", "file": "prog.py", "line": call}
+    assert m["before"] == {"event": "backward #1", "file": "prog.py", "line": back}
+
+    status, err, h = run(tmp_path, monkeypatch, capsys, CLIP, "--replay")
+    assert status == 1
+    report = err.split("versionwatch: --replay: running the same command again")[1]
+    assert f"saved by     AddmmBackward0.mat2 at prog.py:{call}: {code} (in model.2" in report
+    assert f"modified by  clamp_() at prog.py:{clip} (version 1 -> 2): p.clamp_(-0.1, 0.1)" \
+        in report
+    assert h["saved_at"] == at("prog.py", call, code)
+    assert h["modified_by"] == [{"kind": "inplace_op", "description": "clamp_()",
+                                 "file": "prog.py", "line": clip, "versions": [1, 2]}]
+
+
+def test_recurrent_state_with_replay_keeps_the_freeing_backward(tmp_path, monkeypatch,
+                                                               capsys):
+    back = line(RNN, "loss.backward()")
+    status, err, h = run(tmp_path, monkeypatch, capsys, RNN, "--replay")
+    assert status == 1
+    # A freed graph is not replayed: default mode names the freeing backward itself.
+    assert "running the same command again" not in err
+    assert f"freed by     backward #1 at prog.py:{back} (this same line" in err
+    assert h["freed_by"] == {"description": "backward #1", "file": "prog.py", "line": back}
+    assert h["carried_by"] == "h" and h["replay"] is None
+
+
+def test_sites_in_a_project_folder_named_like_a_library(tmp_path, monkeypatch, capsys):
+    """A user's folder called ``lightning`` holds the user's code, not Lightning's."""
+    project = tmp_path / "lightning"
+    project.mkdir()
+    status, err, h = run(project, monkeypatch, capsys, ACT, "--strict")
+    assert status == 1
+    assert h["saved_at"] == at("prog.py", line(ACT, ".sigmoid()"), "h = self.fc(x).sigmoid()")
+    assert h["backward_site"] == {"file": "prog.py", "line": line(ACT, "loss.backward()")}
+
+
+def test_report_does_not_import_its_renderers():
+    """Rendering depends on the report, never the other way round (no import cycle)."""
+    import ast
+
+    import versionwatch._report as report_module
+
+    tree = ast.parse(Path(report_module.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {f"{node.module}.{alias.name}" if node.module == "versionwatch" else
+                 str(node.module) for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert not {name for name in imported if name.startswith("versionwatch")}, imported

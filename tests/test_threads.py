@@ -308,3 +308,80 @@ def test_closing_while_other_threads_run_autograd_is_clean() -> None:
     assert torch.autograd.backward.__module__ == "torch.autograd"
     from versionwatch import _inflight
     assert not _inflight._FLYING
+
+
+def test_a_later_thread_with_a_reused_ident_is_named():
+    """Threads one after another: a finished thread's ident often goes to the next.
+
+    worker-0's backward frees the graph, the first events of the watcher; worker-1
+    starts after it ended (in most tries with worker-0's ident) and fails: its
+    report names worker-1. Eight tries, each with a fresh watcher.
+    """
+    for _ in range(8):
+        reports: list[Report] = []
+        raised: list[str] = []
+        with versionwatch.watch_all(on_hazard=reports.append):
+            x = torch.ones(5, 5, requires_grad=True)
+            y = x + x ** 2
+
+            def worker(y: torch.Tensor = y, raised: list[str] = raised) -> None:
+                try:
+                    (y + y ** 2).sum().backward()
+                except RuntimeError:
+                    raised.append(threading.current_thread().name)
+
+            for k in range(2):
+                run_threads([worker], [f"worker-{k}"])
+        assert raised == ["worker-1"]
+        (report,) = reports
+        assert report.thread == "worker-1"
+        assert "on thread worker-1" in str(report)
+
+
+class _Act(nn.Module):
+    """An activation written in place inside forward: default mode has no line for it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).sigmoid()
+        s = h * 2
+        h.mul_(2)
+        return s.sum()
+
+
+def test_default_mode_names_each_threads_forward():
+    """Autograd's sequence numbers count per thread: each thread's forward ranges.
+
+    Two threads run their forwards side by side (both count from 0); each
+    activation is placed in its own thread's forward, even though the second
+    thread's first event comes while the first one's forward runs (its start
+    then lacks the thread's name that its end has). Ten tries.
+    """
+    for _ in range(10):
+        models = {"first": _Act(4), "second": _Act(6)}
+        got: dict[str, versionwatch.Hazard] = {}
+        barrier = threading.Barrier(2)
+
+        def train(name: str, got: dict[str, versionwatch.Hazard] = got,
+                  barrier: threading.Barrier = barrier,
+                  models: dict[str, nn.Module] = models) -> None:
+            x = torch.randn(2, 4)
+            barrier.wait()
+            loss = models[name](x)
+            barrier.wait()
+            try:
+                loss.backward()
+            except versionwatch.InplaceModificationError as e:
+                got[name] = e.report.hazards[0]
+
+        with versionwatch.watch(models):
+            run_threads([lambda n=n: train(n) for n in models], list(models))
+        assert sorted(got) == ["first", "second"]
+        for name, width in (("first", 4), ("second", 6)):
+            h = got[name]
+            assert h.shape == (2, width) and h.module == name
+            assert re.fullmatch(rf"{name}\.forward #1( on thread {name})? at .*",
+                                h.saved_during or ""), h.saved_during

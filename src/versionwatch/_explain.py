@@ -192,8 +192,10 @@ def _facts(h: Hazard, report: Report | None = None) -> list[tuple[str, str]]:
     if h.kind == "freed" and report is not None:
         facts += _freed_facts(h, report)
     for i, m in enumerate(h.modified_by):
-        # Strict mode's writes carry their source line: show the code itself.
-        code = f": {m.site.code}" if m.kind == "inplace_op" and m.site and m.site.code else ""
+        # Strict mode's writes carry their source line: show the code itself; so do
+        # the events of a report that has strict's lines (merged by --replay).
+        exact = m.kind == "inplace_op" or h.saved_at is not None
+        code = f": {m.site.code}" if exact and m.site and m.site.code else ""
         facts.append(("modified by" if i == 0 else "", f"{m}{code}"))
     for note in h.notes:
         facts.append(("note", note))

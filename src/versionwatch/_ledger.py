@@ -21,6 +21,11 @@ import torch
 from versionwatch._report import Hazard, Modification, Site
 
 
+def _bare_label(label: str) -> str:
+    """``label`` without the current thread's name (``" on thread NAME"``)."""
+    return label.removesuffix(f" on thread {threading.current_thread().name}")
+
+
 class Event(NamedTuple):
     """One point of the training loop: ``forward #2``, ``SGD.step() #3``, ...
 
@@ -112,6 +117,7 @@ class Ledger:
         # The first thread that recorded; once another one records, labels
         # and causes name their thread.
         self._first_thread: int | None = None
+        self._first_alive: weakref.ref[threading.Thread] | None = None
         self.threaded = False
 
     # -- tensors -------------------------------------------------------------------
@@ -191,15 +197,30 @@ class Ledger:
             if me != self._first_thread:
                 if self._first_thread is None:
                     self._first_thread = me
+                    # A thread that ends hands its ident on to a later one; the
+                    # main one ends last. Another first thread is kept (weakly) to
+                    # tell a later thread with its ident apart.
+                    if me != threading.main_thread().ident:
+                        self._first_alive = weakref.ref(threading.current_thread())
                 else:
                     self.threaded = True
+            elif self._first_alive is not None and not self.threaded \
+                    and self._first_alive() is not threading.current_thread():
+                self.threaded = True
             if self.threaded:
                 label = self.on_thread(label)
                 if cause is not None:
                     cause = replace(cause, description=self.on_thread(cause.description))
             if kind.endswith("_end"):
-                # "end of backward #2", placed at the line that started it
-                start = next((e for e in reversed(self.events) if e.label == label), None)
+                # "end of backward #2", placed at the line that started it. A second
+                # thread may have started between the two: the start's label may
+                # lack the thread's name that this one has.
+                if self.threaded:
+                    bare = _bare_label(label)
+                    start = next((e for e in reversed(self.events)
+                                  if e.thread == me and _bare_label(e.label) == bare), None)
+                else:
+                    start = next((e for e in reversed(self.events) if e.label == label), None)
                 label, site = f"end of {label}", site or (start.site if start else None)
             event = Event(self.count, kind, label, site, seq, me, module, frees)
             layout = self._layout
@@ -386,10 +407,12 @@ class Ledger:
         for ev in self.events:
             if ev.thread != me or ev.seq is None:
                 continue
+            # By the label without the thread's name: a second thread that started
+            # during this forward named its end, not its start.
             if ev.kind == "forward":
-                starts[ev.label] = ev
+                starts[_bare_label(ev.label)] = ev
             elif ev.kind == "forward_end":
-                start = starts.pop(ev.label[len("end of "):], None)
+                start = starts.pop(_bare_label(ev.label[len("end of "):]), None)
                 if start is not None and start.seq is not None \
                         and start.seq < seq <= ev.seq \
                         and (best is None or ev.seq - start.seq < best[0]):

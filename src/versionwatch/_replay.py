@@ -128,14 +128,27 @@ def merge(report: Report, child: dict[str, Any] | None, why: str) -> None:
     # The same hazard: strict mode's lines are this run's.
     h.saved_at = _site(c.get("saved_at")) or h.saved_at
     h.module = c.get("module") or h.module
-    writes = [Modification(m["kind"], m["description"], _site(m), None)
-              for m in c.get("modified_by") or () if m.get("kind") == "inplace_op"]
+    # Strict mode records a step's writes as the step (kind "inplace_op"): one
+    # this run saw as an event keeps its kind and versions, and gains the code.
+    seen = {m.description: m for m in h.modified_by if m.kind != "between_events"}
+    writes = []
+    for m in c.get("modified_by") or ():
+        if m.get("kind") != "inplace_op":
+            continue
+        event = seen.get(m["description"])
+        site = _site(m)
+        if event is not None:
+            writes.append(Modification(event.kind, event.description, site or event.site,
+                                       event.versions))
+        else:
+            writes.append(Modification(m["kind"], m["description"], site, None))
     if writes:
         versions = [m.versions for m in h.modified_by if m.versions]
-        if len(writes) == 1 and len(versions) == 1:
+        if len(writes) == 1 and len(versions) == 1 and writes[0].versions is None:
             writes[0] = Modification(writes[0].kind, writes[0].description, writes[0].site,
                                      versions[0])
         h.modified_by = writes
-        h.notes = [note for note in h.notes if "names its line" not in note]
+    # The hints that point at --replay: it ran.
+    h.notes = [note for note in h.notes if "`versionwatch run --replay ...`" not in note]
     report.replay = (f"the lines above come from a strict replay of the same command, "
                      f"which met the same hazard at backward #{n}")

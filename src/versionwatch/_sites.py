@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import sys
@@ -17,26 +18,35 @@ _LIBRARY_DIRS = tuple(
 )
 # Frames of these packages are skipped too, so that GradScaler, Accelerate's
 # accelerator.backward and Lightning's manual_backward blame the user's line.
-_LIBRARY_PARTS = (
-    f"{os.sep}lightning{os.sep}",
-    f"{os.sep}pytorch_lightning{os.sep}",
-    f"{os.sep}lightning_fabric{os.sep}",
-    f"{os.sep}accelerate{os.sep}",
-    f"{os.sep}contextlib.py",
-    f"{os.sep}_pytest{os.sep}",
-    f"{os.sep}pluggy{os.sep}",
-)
+# Matched by where each one is imported from, not by a folder's name: a user's
+# project folder called "lightning" holds the user's own code.
+_LIBRARY_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate",
+                     "_pytest", "pluggy")
+_LIBRARY_FILES = (os.path.abspath(contextlib.__file__),)
 # The bundled demo plays the user's part, so its lines are the ones to blame.
 _USER_FILES = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "_demo.py"),)
 _is_library: dict[str, bool] = {}
+
+
+def _package_dirs() -> tuple[str, ...]:
+    """The folders of the training libraries imported so far."""
+    dirs = []
+    for name in _LIBRARY_PACKAGES:
+        module = sys.modules.get(name)
+        for d in getattr(module, "__path__", None) or ():
+            dirs.append(os.path.join(os.path.abspath(d), ""))
+    return tuple(dirs)
 
 
 def is_library(filename: str) -> bool:
     hit = _is_library.get(filename)
     if hit is None:
         path = os.path.abspath(filename)
+        # A frame of a package only runs once it is imported: a file first seen
+        # before the import is not one of its files.
         hit = path not in _USER_FILES and (
-            path.startswith(_LIBRARY_DIRS) or any(p in path for p in _LIBRARY_PARTS)
+            path.startswith(_LIBRARY_DIRS) or path in _LIBRARY_FILES
+            or path.startswith(_package_dirs())
             # torch.fx's generated code (what torch.compile runs): the user's
             # line is the call of the compiled function, further up.
             or filename.startswith("<eval_with_key>")

@@ -234,6 +234,11 @@ _UNSEEN_WRITE = (
     "default mode sees forwards, backwards, steps and zero_grad, not the write itself: "
     "`versionwatch run --replay ...` (or --strict, or watch(..., strict=True)) names its line"
 )
+# The writes are events it saw (a step); the op that saved the tensor is not.
+_UNSEEN_SAVE = (
+    "default mode sees the forward, not the op in it that saved the tensor: "
+    "`versionwatch run --replay ...` (or --strict, or watch(..., strict=True)) names its line"
+)
 
 
 class ReplayStop(BaseException):
@@ -879,9 +884,11 @@ class Watcher:
                 for w in scope:
                     if w.ledger.place_forward(h):
                         break
-            if not self.strict and h.kind == "inplace" and all(
-                    m.kind == "between_events" for m in h.modified_by):
-                h.notes.append(_UNSEEN_WRITE)
+            if not self.strict and h.kind == "inplace":
+                if all(m.kind == "between_events" for m in h.modified_by):
+                    h.notes.append(_UNSEEN_WRITE)
+                elif h.saved_at is None:
+                    h.notes.append(_UNSEEN_SAVE)
             h.fix = fix_for(h)
         owner = tracker(report.hazards[0].key if report.hazards else None)
         report.timeline = owner.timeline(report=report)
