@@ -232,6 +232,11 @@ def test_recurrent_state_names_the_freeing_backward_and_h(tmp_path, monkeypatch,
     assert h["freed_by"] == {"description": "backward #1", "file": "prog.py", "line": back}
     assert h["carried_by"] == "h" and h["backward"] == 2
     assert h["saved_during"] == f"rnn.forward #1 at prog.py:{fwd}"
+    if mode:  # strict recorded the saving op's line before the graph was freed
+        assert h["saved_at"] == at("prog.py", fwd, "h = rnn(x, h)")
+        assert f"saved by     TanhBackward0.result at prog.py:{fwd}: h = rnn(x, h)" in err
+    else:
+        assert h["saved_at"] is None
 
 
 def test_second_backward_on_one_graph_keeps_retain_graph(tmp_path, monkeypatch, capsys):

@@ -42,7 +42,7 @@ from torch import nn
 
 from versionwatch import _hookstack
 from versionwatch._compat import PEEK as _PEEK
-from versionwatch._compat import HookedSaved, allow_in_peek, peek, storage_address
+from versionwatch._compat import HookedSaved, allow_in_peek, peek, sequence_nr, storage_address
 from versionwatch._explain import _BACKWARD_SUFFIX
 from versionwatch._report import Hazard, Modification, Site
 from versionwatch._sites import _is_library, is_library, site_at, user_site
@@ -269,6 +269,15 @@ def pack(t: torch.Tensor) -> SavedRecord:
         frame = frame.f_back
     if frame is not None:
         rec = SavedRecord(t, stack[-1] if stack else None, local.forward, code, frame.f_lineno)
+        if sequence_nr is not None:
+            # The node saving ``t`` was numbered just before (a node takes its
+            # number when made, and saves after). A freed graph's records are
+            # gone with it; this keeps its line for the "freed" report.
+            lines = _LINES
+            lines[(threading.get_ident(), sequence_nr() - 1)] = (code, frame.f_lineno,
+                                                                 local.forward)
+            if len(lines) > _LINES_KEPT:
+                del lines[next(iter(lines))]
     else:
         rec = SavedRecord(t, stack[-1] if stack else None, local.forward)
     key = _storage_key(t)
@@ -287,6 +296,22 @@ def pack(t: torch.Tensor) -> SavedRecord:
                 refs[:] = [r for r in refs if r() is not None]
             refs.append(weakref.ref(rec))
     return rec
+
+
+# (thread, node's sequence number) -> (code, line, forward) of the op that saved
+# for that node, newest last; a bounded window, since the nodes are not ours to
+# outlive: a freed graph's saving lines are needed only until its next backward.
+_LINES: dict[tuple[int, int], tuple[CodeType, int, str | None]] = {}
+_LINES_KEPT = 4096
+
+
+def saved_line(seq: int) -> tuple[Site, str | None] | None:
+    """Where this thread's node ``seq`` saved a tensor, and in which forward, if recorded."""
+    found = _LINES.get((threading.get_ident(), seq))
+    if found is None:
+        return None
+    code, line, forward = found
+    return site_at(code.co_filename, line), forward
 
 
 _RAW_DATA = hasattr(torch._C._autograd.SavedTensor, "data")

@@ -916,6 +916,13 @@ class Watcher:
         for h in report.hazards:
             if h.kind != "freed" or h.seq is None:
                 continue
+            # Sequence numbers are per thread: with one thread, this one's are the node's.
+            if h.saved_at is None and any(w.strict for w in scope) \
+                    and not any(w.ledger.threaded for w in scope):
+                line = _strict.saved_line(h.seq)
+                if line is not None:
+                    h.saved_at = line[0]
+                    h.saved_during = h.saved_during or line[1]
             freer = next((ev for w in scope if (ev := w.ledger.freer(h.seq)) is not None), None)
             if freer is None:
                 continue
