@@ -127,6 +127,16 @@ def depart(flight: Flight, nodes: Sequence[Any]) -> None:
     Called with the walked graph, before any saved tensor is read.
     """
     me = flight.thread
+    if threading.active_count() == 1:
+        with _COND:
+            if threading.active_count() == 1 and all(f.thread == me for f in _FLYING.values()):
+                # One thread, and no other thread's flight in the air (the usual
+                # training loop): nothing to wait for or record, as below,
+                # without asking whether this thread runs a graph task.
+                flight.nodes, flight.held = None, []
+                flight.token = next(_TOKENS)
+                _FLYING[flight.token] = flight
+                return
     held = list(nodes) if threading.active_count() > 1 else []
     ids = frozenset(map(id, held)) if held else None
     nested = _in_graph_task()

@@ -137,24 +137,24 @@ class Ledger:
         """``text`` naming the current thread, once several threads record events."""
         return f"{text} on thread {threading.current_thread().name}" if self.threaded else text
 
-    @_locked
     def end_step(self, label: str) -> None:
-        keys, mod = self._steps.pop(label, ((), None))
-        for k in keys:
-            mods = self._stepping.get(k)
-            if mods is not None and mod in mods:
-                mods.remove(mod)
-                if not mods:
-                    del self._stepping[k]
+        with self._lock:  # inline, not @_locked: once a training step
+            keys, mod = self._steps.pop(label, ((), None))
+            for k in keys:
+                mods = self._stepping.get(k)
+                if mods is not None and mod in mods:
+                    mods.remove(mod)
+                    if not mods:
+                        del self._stepping[k]
 
     @property
     def last_event(self) -> Event | None:
         return self.events[-1] if self.events else None
 
-    @_locked
     def sync(self, upcoming: str, site: Site | None = None) -> None:
         """Attribute changes since the last event to the interval before ``upcoming``."""
-        self._between_row(self._scan(None, upcoming, site), upcoming)
+        with self._lock:  # inline, not @_locked: once a training step
+            self._between_row(self._scan(None, upcoming, site), upcoming)
 
     def _between_row(self, versions: dict[int, int], upcoming: str) -> None:
         """A timeline row for changes seen before ``upcoming`` but not made by it."""
@@ -199,14 +199,31 @@ class Ledger:
                     cause = replace(cause, description=self.on_thread(cause.description))
             if kind.endswith("_end"):
                 # "end of backward #2", placed at the line that started it
-                start = next((e for e in reversed(self.events) if e.label == label), None)
-                label, site = f"end of {label}", site or (start.site if start else None)
+                if site is None:
+                    for start in reversed(self.events):
+                        if start.label == label:
+                            site = start.site
+                            break
+                label = f"end of {label}"
             event = Event(self.count, kind, label, site, seq, me, module, frees)
             layout = self._layout
-            if unchanged and layout is not None:
-                self.events.append(event)
-                self.versions.append(layout[4])
-                return event
+            if layout is not None:
+                if unchanged:
+                    now = layout[3]
+                else:
+                    # _scan's fast path inline, for the usual event that moved nothing.
+                    try:
+                        now = [r()._version for r in layout[1]]  # type: ignore[union-attr]
+                    except AttributeError:  # a watched tensor died: _scan drops it
+                        now = None
+                if now == layout[3]:
+                    versions = layout[4]
+                    if (cause is None and not unchanged and self.versions
+                            and versions is not self.versions[-1]):
+                        self._between_row(versions, label)
+                    self.events.append(event)
+                    self.versions.append(versions)
+                    return event
             versions = self._scan(cause, label, site, notes)
             if cause is None:
                 # A change made before this event, not by it, gets its own row, so
