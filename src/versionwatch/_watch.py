@@ -129,7 +129,9 @@ def _patched(api: str, first: str, inputs_at: int) -> Callable[..., Any]:
             return original(*args, **kwargs)
         outputs = args[0] if args else kwargs.get(first)
         inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
-        if isinstance(outputs, Iterator) or isinstance(inputs, Iterator):
+        # loss.backward() passes a tensor and no inputs: skip the ABC checks (slow).
+        if (type(outputs) is not torch.Tensor or inputs is not None) and (
+                isinstance(outputs, Iterator) or isinstance(inputs, Iterator)):
             args, kwargs = read_once(args, kwargs, first, inputs_at)
             outputs = args[0] if args else kwargs.get(first)
             inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
@@ -567,9 +569,15 @@ class Watcher:
             # next() is atomic: threads number from one counter, with no lock.
             n = self._forwards[root] = next(self._counters[root])
             if not torch.is_grad_enabled():
-                before = self.ledger.quiet()
-                if before is not None:
-                    return n, before
+                # Ledger.quiet(), inline: the hot path of an acting loop.
+                layout = self.ledger._layout
+                if layout is not None:
+                    try:
+                        before = [r()._version for r in layout[1]]  # type: ignore[union-attr]
+                    except AttributeError:  # a dead reference gave None
+                        before = None
+                    if before is not None and before == layout[3]:
+                        return n, before
                 seq = None
             else:
                 seq = _seq_clock()  # nodes it creates get larger sequence numbers
@@ -582,8 +590,15 @@ class Watcher:
         n, before = token
         if self._sharded and root in self._sharded:
             self._track_unsharded(root)
-        if before is not None and self.ledger.quiet(before) is not None:
-            return None  # nothing moved: as if the forward never ran, for the ledger
+        if before is not None:
+            layout = self.ledger._layout  # Ledger.quiet(before), inline
+            if layout is not None:
+                try:
+                    now = [r()._version for r in layout[1]]  # type: ignore[union-attr]
+                except AttributeError:  # a dead reference gave None
+                    now = None
+                if now == before:
+                    return None  # nothing moved: as if the forward never ran, for the ledger
         label = self._label(root, n)
         if before is not None:
             # It wrote to a watched tensor: its events after all; nothing
