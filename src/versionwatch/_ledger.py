@@ -224,7 +224,9 @@ class Ledger:
                     self.events.append(event)
                     self.versions.append(versions)
                     return event
-            versions = self._scan(cause, label, site, notes)
+                versions = self._scan(cause, label, site, notes, now)
+            else:
+                versions = self._scan(cause, label, site, notes)
             if cause is None:
                 # A change made before this event, not by it, gets its own row, so
                 # that e.g. a backward row never shows a bump.
@@ -274,14 +276,21 @@ class Ledger:
         upcoming: str,
         site: Site | None,
         notes: dict[int, str] | None = None,
+        now: list[int] | None = None,
     ) -> dict[int, int]:
+        """The versions now, by key; moves since the last scan go to the history.
+
+        ``now``: the versions in layout order, just read by the caller (else
+        read here); None after a watched tensor died.
+        """
         layout = self._layout
         if layout is not None:
             keys, refs, trs, last, snapshot = layout
-            try:
-                now = [r()._version for r in refs]  # type: ignore[union-attr]
-            except AttributeError:  # a watched tensor died: the slow path drops it
-                now = None
+            if now is None:
+                try:
+                    now = [r()._version for r in refs]  # type: ignore[union-attr]
+                except AttributeError:  # a watched tensor died: the slow path drops it
+                    now = None
             if now is not None:
                 if now == last:  # nothing moved: share the previous snapshot
                     return snapshot

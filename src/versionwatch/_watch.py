@@ -94,6 +94,14 @@ def _owner(opt: Optimizer) -> tuple[Watcher, _OptimizerState] | None:
     return None
 
 
+def _fused(opt: Optimizer) -> bool:
+    """Whether a param group of ``opt`` runs a fused kernel (a loop: twice a step)."""
+    for g in opt.param_groups:
+        if g.get("fused"):
+            return True
+    return False
+
+
 _HAS_OPTIMIZER_ATTR: dict[type, bool] = {}
 
 
@@ -658,7 +666,7 @@ class Watcher:
             # Another thread's event may scan while this step runs.
             self.ledger.begin_step(label, [id(p) for p in params],
                                    Modification("optimizer.step", label, site))
-        fused = any(g.get("fused") for g in opt.param_groups)
+        fused = _fused(opt)
         # Only fused steps need the versions before, and only zero_grad(set_to_none=
         # False) leaves marks that make notes: otherwise skip the per-param loop.
         if not (self._kept_grads or fused):
@@ -776,7 +784,7 @@ class Watcher:
         self.ledger.record("step", label, site, cause=Modification("optimizer.step", label, site),
                            notes=notes)
         self.ledger.end_step(label)
-        if any(g.get("fused") for g in opt.param_groups):
+        if _fused(opt):
             # Fused kernels update parameters in place without bumping _version.
             clock = None
             for ref, v in touched:
