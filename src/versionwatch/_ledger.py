@@ -249,6 +249,20 @@ class Ledger:
                     now = [r()._version for r in layout[1]]  # type: ignore[union-attr]
                 except AttributeError:  # a watched tensor died: the full record drops it
                     now = None
+                me = threading.get_ident()
+                if now == layout[3] and me == self._first_thread and kind.endswith("_end"):
+                    # record(kind, label, seq=seq, unchanged=True), inline: two of
+                    # these a training step, on the thread that always recorded.
+                    self.count += 1
+                    site = None
+                    for start in reversed(self.events):
+                        if start.label == label:  # placed at the line that started it
+                            site = start.site
+                            break
+                    event = Event(self.count, kind, f"end of {label}", site, seq, me)
+                    self.events.append(event)
+                    self.versions.append(layout[4])
+                    return event
                 if now == layout[3]:
                     return self.record(kind, label, seq=seq, unchanged=True)
             return self.record(kind, label, None, cause=cause(), seq=seq)
