@@ -106,10 +106,14 @@ _HAS_OPTIMIZER_ATTR: dict[type, bool] = {}
 
 
 def _class_has_optimizer(cls: type) -> bool:
-    """Whether ``cls`` has an ``_optimizer`` attribute of its own (a property), cached."""
+    """Whether ``getattr(opt, "_optimizer")`` may find more than ``opt``'s instance dict.
+
+    A class attribute (a property would win over the instance dict) or a
+    ``__getattr__``; cached per class.
+    """
     has = _HAS_OPTIMIZER_ATTR.get(cls)
     if has is None:
-        has = _HAS_OPTIMIZER_ATTR[cls] = hasattr(cls, "_optimizer")
+        has = _HAS_OPTIMIZER_ATTR[cls] = hasattr(cls, "_optimizer") or hasattr(cls, "__getattr__")
     return has
 
 
@@ -502,9 +506,10 @@ class Watcher:
     def _optimizer(self, opt: Optimizer) -> _OptimizerState | None:
         # Lightning's LightningOptimizer wrapper keeps the optimizer in its
         # instance dict; a failed getattr costs about 1 us, three times a step.
-        inner = opt.__dict__.get("_optimizer")
-        if inner is None and _class_has_optimizer(type(opt)):
+        if _class_has_optimizer(type(opt)):
             inner = getattr(opt, "_optimizer", None)
+        else:
+            inner = opt.__dict__.get("_optimizer")
         if isinstance(inner, Optimizer):
             opt = inner
         state = self._optimizers.get(id(opt))
