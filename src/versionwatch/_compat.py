@@ -57,6 +57,13 @@ is_compiling: Callable[[], bool] = getattr(
     getattr(torch, "compiler", None), "is_compiling", _is_compiling_fallback)
 """Whether dynamo is tracing the caller (our hooks stay out of traces)."""
 
+_COMPILER: Any = getattr(torch, "compiler", None)
+COMPILING_FLAG: bool = is_compiling is not _is_compiling_fallback and isinstance(
+    getattr(_COMPILER, "_is_compiling_flag", None), bool)
+"""``torch.compiler._is_compiling_flag`` exists: what :func:`is_compiling` returns
+outside TorchScript, which eager code can read without the call."""
+
+
 is_tracing: Callable[[], bool] = getattr(
     getattr(torch, "compiler", None), "is_dynamo_compiling", is_compiling)
 """Folded to True inside a torch.compile trace, and three times cheaper than

@@ -24,10 +24,15 @@ import functools
 import weakref
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
-from versionwatch._compat import is_compiling, is_tracing
-from versionwatch._functorch import in_transform
+from versionwatch._compat import COMPILING_FLAG, is_compiling, is_tracing
+from versionwatch._functorch import functorch_level
+
+# torch.compiler, whose flag is_compiling() returns outside TorchScript: read
+# inline at every watched forward (the call costs more than the answer).
+_COMPILER: Any = torch.compiler if COMPILING_FLAG else None
 
 # id(root module) -> (module ref, watcher ref, root name), in registration order.
 _Entry = tuple["weakref.ref[nn.Module]", "weakref.ref[Any]", str]
@@ -182,7 +187,8 @@ def _call(target: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
     module = target()
     assert module is not None  # it is being called
     call_impl: Callable[..., Any] = module._call_impl
-    if is_compiling() or in_transform():
+    if ((_COMPILER._is_compiling_flag if _COMPILER is not None else is_compiling())
+            or (functorch_level is not None and functorch_level() is not None)):
         # torch.export; or torch.func, whose functional_call swapped the
         # parameters for its wrappers: nothing of ours to record or adopt.
         return call_impl(*args, **kwargs)
@@ -191,6 +197,21 @@ def _call(target: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
         if w is not None and id(module) not in w._seen and not w._closed:
             w._adopt_root(module)
     routes = _ROOTS.get(id(module))
+    if routes is not None and len(routes) == 1:
+        # One watcher of this root (the usual case): the loop below, unrolled.
+        module_ref, watcher_ref, name = routes[0]
+        w = watcher_ref()
+        if module_ref() is not module or w is None or w._closed:
+            return call_impl(*args, **kwargs)
+        token = w._on_forward(name, True)
+        try:
+            result = call_impl(*args, **kwargs)
+        finally:
+            if not w._closed:
+                w._on_forward(name, False, token)
+        if w._repair is not None and name in w._forwards:
+            w._repair.outputs(result, w._label(name, w._forwards[name]))
+        return result
     live = []
     for module_ref, watcher_ref, name in routes or ():
         w = watcher_ref()

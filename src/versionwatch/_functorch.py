@@ -16,6 +16,8 @@ import torch
 
 _functorch = getattr(torch._C, "_functorch", None)
 _level: Callable[[], Any] | None = getattr(_functorch, "maybe_current_level", None)
+functorch_level = _level
+"""``maybe_current_level``: not None inside a transform (read inline by hot callers)."""
 _wrapped: Callable[[torch.Tensor], bool] | None = getattr(
     _functorch, "is_functorch_wrapped_tensor", None)
 
@@ -32,6 +34,8 @@ def in_functorch_transform(*values: Any) -> bool:
     if _wrapped is None:
         return False
     for value in values:
+        if value is None:  # no inputs=: skip the Sequence check, an ABC's (slow)
+            continue
         if isinstance(value, torch.Tensor):
             if _wrapped(value):
                 return True

@@ -49,6 +49,8 @@ _FLYING: dict[int, Flight] = {}
 # Landed flights, newest last: who freed a graph that a later prediction finds freed.
 _LANDED: deque[Flight] = deque(maxlen=32)
 _TOKENS = iter(range(1, 1 << 62))
+# Predictions waiting in depart() (changed under _COND): land() notifies only then.
+_WAITING = 0
 
 
 class _Serial(threading.local):
@@ -127,6 +129,16 @@ def depart(flight: Flight, nodes: Sequence[Any]) -> None:
     Called with the walked graph, before any saved tensor is read.
     """
     me = flight.thread
+    if threading.active_count() == 1:
+        with _COND:
+            if threading.active_count() == 1 and all(f.thread == me for f in _FLYING.values()):
+                # One thread, and no other thread's flight in the air (the usual
+                # training loop): nothing to wait for or record, as below,
+                # without asking whether this thread runs a graph task.
+                flight.nodes, flight.held = None, []
+                flight.token = next(_TOKENS)
+                _FLYING[flight.token] = flight
+                return
     held = list(nodes) if threading.active_count() > 1 else []
     ids = frozenset(map(id, held)) if held else None
     nested = _in_graph_task()
@@ -139,8 +151,13 @@ def depart(flight: Flight, nodes: Sequence[Any]) -> None:
         def blocking() -> list[Flight]:
             return [f for f in _FLYING.values() if f.thread != me and _shares(f, ids)]
 
-        if not nested:
-            _COND.wait_for(lambda: not blocking(), timeout=WAIT_LIMIT_S)
+        if not nested and blocking():
+            global _WAITING
+            _WAITING += 1
+            try:
+                _COND.wait_for(lambda: not blocking(), timeout=WAIT_LIMIT_S)
+            finally:
+                _WAITING -= 1
         if ids is not None:
             exact = [f for f in _FLYING.values() if f.thread != me and f.frees
                      and f.nodes is not None and not f.nodes.isdisjoint(ids)]
@@ -174,7 +191,8 @@ def land(flight: Flight) -> None:
         if _FLYING.pop(flight.token, None) is not None:
             if flight.prints:
                 _LANDED.append(flight)
-            _COND.notify_all()
+            if _WAITING:  # counted under _COND: no waiter can be missed
+                _COND.notify_all()
     del held  # outside the lock: the last reference to a graph may go with it
 
 

@@ -143,24 +143,24 @@ class Ledger:
         """``text`` naming the current thread, once several threads record events."""
         return f"{text} on thread {threading.current_thread().name}" if self.threaded else text
 
-    @_locked
     def end_step(self, label: str) -> None:
-        keys, mod = self._steps.pop(label, ((), None))
-        for k in keys:
-            mods = self._stepping.get(k)
-            if mods is not None and mod in mods:
-                mods.remove(mod)
-                if not mods:
-                    del self._stepping[k]
+        with self._lock:  # inline, not @_locked: once a training step
+            keys, mod = self._steps.pop(label, ((), None))
+            for k in keys:
+                mods = self._stepping.get(k)
+                if mods is not None and mod in mods:
+                    mods.remove(mod)
+                    if not mods:
+                        del self._stepping[k]
 
     @property
     def last_event(self) -> Event | None:
         return self.events[-1] if self.events else None
 
-    @_locked
     def sync(self, upcoming: str, site: Site | None = None) -> None:
         """Attribute changes since the last event to the interval before ``upcoming``."""
-        self._between_row(self._scan(None, upcoming, site), upcoming)
+        with self._lock:  # inline, not @_locked: once a training step
+            self._between_row(self._scan(None, upcoming, site), upcoming)
 
     def _between_row(self, versions: dict[int, int], upcoming: str) -> None:
         """A timeline row for changes seen before ``upcoming`` but not made by it."""
@@ -224,11 +224,26 @@ class Ledger:
                 label, site = f"end of {label}", site or (start.site if start else None)
             event = Event(self.count, kind, label, site, seq, me, module, frees)
             layout = self._layout
-            if unchanged and layout is not None:
-                self.events.append(event)
-                self.versions.append(layout[4])
-                return event
-            versions = self._scan(cause, label, site, notes)
+            if layout is not None:
+                if unchanged:
+                    now = layout[3]
+                else:
+                    # _scan's fast path inline, for the usual event that moved nothing.
+                    try:
+                        now = [r()._version for r in layout[1]]  # type: ignore[union-attr]
+                    except AttributeError:  # a watched tensor died: _scan drops it
+                        now = None
+                if now == layout[3]:
+                    versions = layout[4]
+                    if (cause is None and not unchanged and self.versions
+                            and versions is not self.versions[-1]):
+                        self._between_row(versions, label)
+                    self.events.append(event)
+                    self.versions.append(versions)
+                    return event
+                versions = self._scan(cause, label, site, notes, now)
+            else:
+                versions = self._scan(cause, label, site, notes)
             if cause is None:
                 # A change made before this event, not by it, gets its own row, so
                 # that e.g. a backward row never shows a bump.
@@ -251,6 +266,20 @@ class Ledger:
                     now = [r()._version for r in layout[1]]  # type: ignore[union-attr]
                 except AttributeError:  # a watched tensor died: the full record drops it
                     now = None
+                me = threading.get_ident()
+                if now == layout[3] and me == self._first_thread and kind.endswith("_end"):
+                    # record(kind, label, seq=seq, unchanged=True), inline: two of
+                    # these a training step, on the thread that always recorded.
+                    self.count += 1
+                    site = None
+                    for start in reversed(self.events):
+                        if start.label == label:  # placed at the line that started it
+                            site = start.site
+                            break
+                    event = Event(self.count, kind, f"end of {label}", site, seq, me)
+                    self.events.append(event)
+                    self.versions.append(layout[4])
+                    return event
                 if now == layout[3]:
                     return self.record(kind, label, seq=seq, unchanged=True)
             return self.record(kind, label, None, cause=cause(), seq=seq)
@@ -278,14 +307,21 @@ class Ledger:
         upcoming: str,
         site: Site | None,
         notes: dict[int, str] | None = None,
+        now: list[int] | None = None,
     ) -> dict[int, int]:
+        """The versions now, by key; moves since the last scan go to the history.
+
+        ``now``: the versions in layout order, just read by the caller (else
+        read here); None after a watched tensor died.
+        """
         layout = self._layout
         if layout is not None:
             keys, refs, trs, last, snapshot = layout
-            try:
-                now = [r()._version for r in refs]  # type: ignore[union-attr]
-            except AttributeError:  # a watched tensor died: the slow path drops it
-                now = None
+            if now is None:
+                try:
+                    now = [r()._version for r in refs]  # type: ignore[union-attr]
+                except AttributeError:  # a watched tensor died: the slow path drops it
+                    now = None
             if now is not None:
                 if now == last:  # nothing moved: share the previous snapshot
                     return snapshot

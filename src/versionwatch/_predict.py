@@ -984,7 +984,7 @@ def _predict(
                 report.hazards.append(h)
     finally:
         try:
-            lease(graph, [t for t in outs if isinstance(t, torch.Tensor)])
+            lease(graph)  # (it reads no outputs: no list to build)
         finally:
             if gc_was_enabled:
                 gc.enable()

@@ -59,7 +59,15 @@ def user_frame(skip: int = 1) -> tuple[FrameType | None, int]:
     """The first frame outside the libraries, and how many frames up it is."""
     frame: FrameType | None = sys._getframe(skip)
     level = skip
-    while frame is not None and is_library(frame.f_code.co_filename):
+    known = _is_library
+    while frame is not None:
+        # The cache inline: four of these walks a training step, each a few frames.
+        filename = frame.f_code.co_filename
+        hit = known.get(filename)
+        if hit is None:
+            hit = is_library(filename)
+        if not hit:
+            break
         frame = frame.f_back
         level += 1
     return frame, level
@@ -73,10 +81,26 @@ _SITES_CWD = [""]
 
 def user_site(skip: int = 2) -> Site | None:
     """``file:line`` (and the source line) of the user's code that called into us."""
-    frame, _ = user_frame(skip)
+    # user_frame and site_at's cache, inline: four of these a training step.
+    # (user_frame(skip) counts from its own frame, one below this one.)
+    frame: FrameType | None = sys._getframe(skip - 1)
+    known = _is_library
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        hit = known.get(filename)
+        if hit is None:
+            hit = is_library(filename)
+        if not hit:
+            break
+        frame = frame.f_back
     if frame is None:
         return None
-    return site_at(frame.f_code.co_filename, frame.f_lineno)
+    line = frame.f_lineno
+    if os.getcwd() == _SITES_CWD[0]:
+        site = _SITES.get((filename, line))
+        if site is not None:
+            return site
+    return site_at(filename, line)
 
 
 def site_at(filename: str, line: int) -> Site:

@@ -11,6 +11,7 @@ events that moved them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import sys
@@ -36,7 +37,7 @@ from versionwatch._explain import fix_for, render_report
 from versionwatch._functorch import in_functorch_transform
 from versionwatch._ledger import Ledger, Tracked
 from versionwatch._naming import has_fsdp, module_tensors
-from versionwatch._predict import _VERSION_RE, gated, predict, raise_for
+from versionwatch._predict import _GATE, _VERSION_RE, predict, raise_for
 from versionwatch._repair import Repairer
 from versionwatch._report import Hazard, Modification, Repair, Report, Site, size
 from versionwatch._sites import user_frame, user_site
@@ -69,8 +70,8 @@ def _current() -> Watcher | None:
         return _ACTIVE[-1] if _ACTIVE else None
 
 
-def _owner(opt: Optimizer) -> Watcher | None:
-    """The open watcher that watches ``opt``'s parameters, innermost first.
+def _owner(opt: Optimizer) -> tuple[Watcher, _OptimizerState] | None:
+    """The open watcher that watches ``opt``'s parameters (innermost first), and its state.
 
     With nested watchers an outer model's optimizer must reach the outer
     watcher, not the innermost one, which would ignore it.
@@ -78,15 +79,42 @@ def _owner(opt: Optimizer) -> Watcher | None:
     if getattr(_LOCAL, "busy", False):
         return None
     stack = _stack()
-    if stack:
+    if len(stack) == 1:  # one watcher on this thread: no list to build
+        candidates = stack
+    elif stack:
         candidates = stack[::-1]
     else:
         with _LOCK:
             candidates = _ACTIVE[::-1]
     for w in candidates:
-        if not w._closed and w._optimizer(opt) is not None:
-            return w
+        if not w._closed:
+            state = w._optimizer(opt)
+            if state is not None:
+                return w, state
     return None
+
+
+def _fused(opt: Optimizer) -> bool:
+    """Whether a param group of ``opt`` runs a fused kernel (a loop: twice a step)."""
+    for g in opt.param_groups:
+        if g.get("fused"):
+            return True
+    return False
+
+
+_HAS_OPTIMIZER_ATTR: dict[type, bool] = {}
+
+
+def _class_has_optimizer(cls: type) -> bool:
+    """Whether ``getattr(opt, "_optimizer")`` may find more than ``opt``'s instance dict.
+
+    A class attribute (a property would win over the instance dict) or a
+    ``__getattr__``; cached per class.
+    """
+    has = _HAS_OPTIMIZER_ATTR.get(cls)
+    if has is None:
+        has = _HAS_OPTIMIZER_ATTR[cls] = hasattr(cls, "_optimizer") or hasattr(cls, "__getattr__")
+    return has
 
 
 def _add_note(err: BaseException, text: str) -> None:
@@ -113,7 +141,9 @@ def _patched(api: str, first: str, inputs_at: int) -> Callable[..., Any]:
             return original(*args, **kwargs)
         outputs = args[0] if args else kwargs.get(first)
         inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
-        if isinstance(outputs, Iterator) or isinstance(inputs, Iterator):
+        # loss.backward() passes a tensor and no inputs: skip the ABC checks (slow).
+        if (type(outputs) is not torch.Tensor or inputs is not None) and (
+                isinstance(outputs, Iterator) or isinstance(inputs, Iterator)):
             args, kwargs = read_once(args, kwargs, first, inputs_at)
             outputs = args[0] if args else kwargs.get(first)
             inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
@@ -135,21 +165,21 @@ _grad = _patched("grad", "outputs", 1)
 
 def _zero_grad(self: Optimizer, set_to_none: bool = True) -> None:
     _ORIGINAL["zero_grad"](self, set_to_none)
-    w = _owner(self)
-    if w is not None:
-        w._on_zero_grad(self, set_to_none)
+    found = _owner(self)
+    if found is not None:
+        found[0]._on_zero_grad(self, set_to_none, found[1])
 
 
 def _step_pre(opt: Optimizer, args: Any, kwargs: Any) -> None:
-    w = _owner(opt)
-    if w is not None:
-        w._on_step_pre(opt)
+    found = _owner(opt)
+    if found is not None:
+        found[0]._on_step_pre(opt, found[1])
 
 
 def _step_post(opt: Optimizer, args: Any, kwargs: Any) -> None:
-    w = _owner(opt)
-    if w is not None:
-        w._on_step_post(opt)
+    found = _owner(opt)
+    if found is not None:
+        found[0]._on_step_post(opt, found[1])
 
 
 def _jit_builtins() -> dict[int, str]:
@@ -479,7 +509,12 @@ class Watcher:
         return state
 
     def _optimizer(self, opt: Optimizer) -> _OptimizerState | None:
-        inner = getattr(opt, "_optimizer", None)  # Lightning's LightningOptimizer wrapper
+        # Lightning's LightningOptimizer wrapper keeps the optimizer in its
+        # instance dict; a failed getattr costs about 1 us, three times a step.
+        if _class_has_optimizer(type(opt)):
+            inner = getattr(opt, "_optimizer", None)
+        else:
+            inner = opt.__dict__.get("_optimizer")
         if isinstance(inner, Optimizer):
             opt = inner
         state = self._optimizers.get(id(opt))
@@ -552,9 +587,15 @@ class Watcher:
             # next() is atomic: threads number from one counter, with no lock.
             n = self._forwards[root] = next(self._counters[root])
             if not torch.is_grad_enabled():
-                before = self.ledger.quiet()
-                if before is not None:
-                    return n, before
+                # Ledger.quiet(), inline: the hot path of an acting loop.
+                layout = self.ledger._layout
+                if layout is not None:
+                    try:
+                        before = [r()._version for r in layout[1]]  # type: ignore[union-attr]
+                    except AttributeError:  # a dead reference gave None
+                        before = None
+                    if before is not None and before == layout[3]:
+                        return n, before
                 seq = None
             else:
                 seq = _seq_clock()  # nodes it creates get larger sequence numbers
@@ -567,8 +608,15 @@ class Watcher:
         n, before = token
         if self._sharded and root in self._sharded:
             self._track_unsharded(root)
-        if before is not None and self.ledger.quiet(before) is not None:
-            return None  # nothing moved: as if the forward never ran, for the ledger
+        if before is not None:
+            layout = self.ledger._layout  # Ledger.quiet(before), inline
+            if layout is not None:
+                try:
+                    now = [r()._version for r in layout[1]]  # type: ignore[union-attr]
+                except AttributeError:  # a dead reference gave None
+                    now = None
+                if now == before:
+                    return None  # nothing moved: as if the forward never ran, for the ledger
         label = self._label(root, n)
         if before is not None:
             # It wrote to a watched tensor: its events after all; nothing
@@ -584,10 +632,13 @@ class Watcher:
                         seq=seq)
         return None
 
-    def _on_zero_grad(self, opt: Optimizer, set_to_none: bool) -> None:
+    def _on_zero_grad(self, opt: Optimizer, set_to_none: bool,
+                      state: _OptimizerState | None = None) -> None:
+        """``state``: ``self._optimizer(opt)``, when the caller has it already."""
         if self.strict:
             _strict.end_step()  # past any step, even one that raised
-        state = self._optimizer(opt)
+        if state is None:
+            state = self._optimizer(opt)
         if state is None:
             return
         if set_to_none:  # every .grad is None now
@@ -607,8 +658,10 @@ class Watcher:
         self.ledger.record("zero_grad", f"{state.label}.zero_grad(set_to_none={set_to_none})",
                            user_site(3))
 
-    def _on_step_pre(self, opt: Optimizer) -> None:
-        state = self._optimizer(opt)
+    def _on_step_pre(self, opt: Optimizer, state: _OptimizerState | None = None) -> None:
+        """``state``: ``self._optimizer(opt)``, when the caller has it already."""
+        if state is None:
+            state = self._optimizer(opt)
         if state is None:
             return
         state.steps += 1
@@ -623,7 +676,7 @@ class Watcher:
             # Another thread's event may scan while this step runs.
             self.ledger.begin_step(label, [id(p) for p in params],
                                    Modification("optimizer.step", label, site))
-        fused = any(g.get("fused") for g in opt.param_groups)
+        fused = _fused(opt)
         # Only fused steps need the versions before, and only zero_grad(set_to_none=
         # False) leaves marks that make notes: otherwise skip the per-param loop.
         if not (self._kept_grads or fused):
@@ -728,8 +781,10 @@ class Watcher:
                                f"watcher's policy is {self.policy!r}")
         return self._repair.summary()
 
-    def _on_step_post(self, opt: Optimizer) -> None:
-        state = self._optimizer(opt)
+    def _on_step_post(self, opt: Optimizer, state: _OptimizerState | None = None) -> None:
+        """``state``: ``self._optimizer(opt)``, when the caller has it already."""
+        if state is None:
+            state = self._optimizer(opt)
         if state is None or state.pending is None:
             return
         label, site, touched, notes = state.pending
@@ -739,7 +794,7 @@ class Watcher:
         self.ledger.record("step", label, site, cause=Modification("optimizer.step", label, site),
                            notes=notes)
         self.ledger.end_step(label)
-        if any(g.get("fused") for g in opt.param_groups):
+        if _fused(opt):
             # Fused kernels update parameters in place without bumping _version.
             clock = None
             for ref, v in touched:
@@ -782,12 +837,17 @@ class Watcher:
             self._repair.retain(outputs, f"backward #{n}", site)
         flight = _inflight.Flight(self, f"backward #{n}", site, frees)
         try:
+            # The gate of :func:`gated`, set inline: a generator-based context
+            # manager costs about as much as the rest of this preamble.
+            gate = _GATE.fn
+            _GATE.fn = functools.partial(_inflight.depart, flight)
             try:
-                with gated(lambda nodes: _inflight.depart(flight, nodes)):
-                    report: Report | None = predict(outputs, inputs, api,  # type: ignore[arg-type]
-                                                    names, silent or None)
+                report: Report | None = predict(outputs, inputs, api,  # type: ignore[arg-type]
+                                                names, silent or None)
             except (TypeError, ValueError, BadCall):
                 report = None  # PyTorch will say what is wrong with the arguments
+            finally:
+                _GATE.fn = gate
             if report is not None and not report.ok and arguments is not None \
                     and rejected(api, *arguments):
                 report = None  # PyTorch rejects the arguments before any saved tensor: its error
@@ -852,6 +912,9 @@ class Watcher:
 
     def _scope(self) -> list[Watcher]:
         """This watcher, then the other open watchers of its thread, innermost first."""
+        stack = self._thread_stack
+        if len(stack) == 1 and stack[0] is self:  # the usual case: one watcher
+            return [self]
         return [self, *(w for w in reversed(self._thread_stack) if w is not self and not w._closed)]
 
     def _explain(self, report: Report, scope: list[Watcher] | None = None) -> Watcher:
