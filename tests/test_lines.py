@@ -412,3 +412,37 @@ def test_report_does_not_import_its_renderers():
                  str(node.module) for node in ast.walk(tree)
                  if isinstance(node, ast.ImportFrom) for alias in node.names}
     assert not {name for name in imported if name.startswith("versionwatch")}, imported
+
+
+NESTED = textwrap.dedent("""\
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Tanh(), nn.Linear(4, 1)))
+
+        def forward(self, x):
+            h = self.body(x)
+            return h.sigmoid()
+
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(2):  # the second forward finds the first's answers gone with their calls
+        out = net(torch.ones(2, 4)).sum()
+    opt.zero_grad()
+    out.backward(retain_graph=True)
+    opt.step()
+    out.backward()
+""")
+
+
+def test_strict_lines_through_nested_library_modules(tmp_path, monkeypatch, capsys):
+    """Every tensor saved inside library modules gets the user's line that called them."""
+    status, err, h = run(tmp_path, monkeypatch, capsys, NESTED, "--strict")
+    assert status == 1
+    assert h["saved_at"] == at("prog.py", line(NESTED, "h = self.body(x)"), "h = self.body(x)")
+    doc = json.loads((tmp_path / "out.json").read_text())
+    sites = {(x["slot"], x["saved_at"]["line"]) for x in doc["hazards"] if x.get("saved_at")}
+    assert sites and all(n == line(NESTED, "h = self.body(x)") for _, n in sites), sites

@@ -168,7 +168,17 @@ class _Local(threading.local):
     step_frame: tuple[int, Any] | None = None  # id and code of the frame running the step
     forward: str | None = None  # label of the root forward running, if any
     modules: list[str] | None = None
+    # Per running module call, as ``modules``: the user's frame above that call
+    # once a pack inside it has looked (``_UNSEEN`` until then). Those frames are
+    # on the stack anyway, and each entry goes when its call returns.
+    callers: list[Any] | None = None
+    # (node's sequence number) -> (code, line, forward) of what this thread saved
+    # for that node, newest last: a freed graph's saving lines (see saved_line).
+    lines: dict[int, tuple[CodeType, int, str | None]] | None = None
+    lines_old: dict[int, tuple[CodeType, int, str | None]] | None = None  # the previous window
 
+
+_UNSEEN = object()
 
 # Dead storages the registry may hold before a sweep; sweeping at twice the
 # live count keeps the cost per saved tensor constant.
@@ -259,25 +269,48 @@ def pack(t: torch.Tensor) -> SavedRecord:
     # no Python frame above it.
     frame: FrameType | None = sys._getframe().f_back
     library = _is_library
+    # Above a module call, the answer is the same for every tensor saved inside
+    # it (a Sequential of 100 layers): found once per call, kept in ``callers``.
+    callers = local.callers
+    depth = len(callers) - 1 if callers else -1
+    pending: list[int] | None = None
     while frame is not None:
         code = frame.f_code
-        hit = library.get(code.co_filename)
-        if hit is None:
-            hit = is_library(code.co_filename)
-        if not hit:
-            break
+        if code is _CALL_CODE and depth >= 0:
+            assert callers is not None
+            found = callers[depth]
+            if found is not _UNSEEN:
+                frame = found
+                break
+            if pending is None:
+                pending = [depth]
+            else:
+                pending.append(depth)
+            depth -= 1
+        else:
+            hit = library.get(code.co_filename)
+            if hit is None:
+                hit = is_library(code.co_filename)
+            if not hit:
+                break
         frame = frame.f_back
+    if pending:
+        assert callers is not None
+        for d in pending:  # every frame passed was a library's: the same answer
+            callers[d] = frame
     if frame is not None:
-        rec = SavedRecord(t, stack[-1] if stack else None, local.forward, code, frame.f_lineno)
+        code, line = frame.f_code, frame.f_lineno
+        rec = SavedRecord(t, stack[-1] if stack else None, local.forward, code, line)
         if sequence_nr is not None:
             # The node saving ``t`` was numbered just before (a node takes its
             # number when made, and saves after). A freed graph's records are
             # gone with it; this keeps its line for the "freed" report.
-            lines = _LINES
-            lines[(threading.get_ident(), sequence_nr() - 1)] = (code, frame.f_lineno,
-                                                                 local.forward)
-            if len(lines) > _LINES_KEPT:
-                del lines[next(iter(lines))]
+            lines = local.lines
+            if lines is None:
+                lines = local.lines = {}
+            lines[sequence_nr() - 1] = (code, line, local.forward)
+            if len(lines) >= _LINES_KEPT:  # two windows: no eviction per save
+                local.lines_old, local.lines = lines, {}
     else:
         rec = SavedRecord(t, stack[-1] if stack else None, local.forward)
     key = _storage_key(t)
@@ -298,16 +331,18 @@ def pack(t: torch.Tensor) -> SavedRecord:
     return rec
 
 
-# (thread, node's sequence number) -> (code, line, forward) of the op that saved
-# for that node, newest last; a bounded window, since the nodes are not ours to
-# outlive: a freed graph's saving lines are needed only until its next backward.
-_LINES: dict[tuple[int, int], tuple[CodeType, int, str | None]] = {}
+# A bounded window per thread: a freed graph's saving lines are needed only
+# until its next backward.
 _LINES_KEPT = 4096
 
 
 def saved_line(seq: int) -> tuple[Site, str | None] | None:
     """Where this thread's node ``seq`` saved a tensor, and in which forward, if recorded."""
-    found = _LINES.get((threading.get_ident(), seq))
+    found = None
+    for lines in (_LOCAL.lines, _LOCAL.lines_old):
+        found = lines.get(seq) if lines is not None else None
+        if found is not None:
+            break
     if found is None:
         return None
     code, line, forward = found
@@ -762,12 +797,21 @@ def _module_call(call_impl: Callable[..., Any]) -> Callable[..., Any]:
         if local.step is not None:
             end_step()  # optimizers run no modules: that step is over, or a closure runs
         stack.append(names.get(id(self)) or type(self).__name__)
+        callers = local.callers
+        if callers is None:
+            callers = local.callers = []
+        callers.append(_UNSEEN)
         try:
             return call_impl(self, *args, **kwargs)
         finally:
             stack.pop()
+            callers.pop()
 
     return _call_impl
+
+
+# Every wrapper _module_call makes runs this code: pack finds module calls by it.
+_CALL_CODE = _module_call(nn.Module._call_impl).__code__
 
 
 def attach(owner: Any) -> Any:
