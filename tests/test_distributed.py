@@ -272,11 +272,19 @@ def test_sigterm_writes_the_report_then_dies_of_it(tmp_path: Path) -> None:
     assert doc["timeline"]["events"], doc
 
 
-def test_sigterm_handler_of_the_program_is_kept(tmp_path: Path) -> None:
-    """A program that handles SIGTERM itself: its handler runs, as without versionwatch."""
+@pytest.mark.parametrize("chains", [False, True], ids=["replaces", "chains"])
+def test_sigterm_handler_of_the_program_is_kept(tmp_path: Path, chains: bool) -> None:
+    """A program that handles SIGTERM itself: its handler runs, as without versionwatch.
+
+    One that chains to the handler it replaced calls SIG_DFL's stand-in
+    unwatched (nothing callable), so it must not reach versionwatch's exit.
+    """
+    chain = ("    prev = PREV\n    if callable(prev):\n        prev(signum, frame)\n"
+             if chains else "")
     (tmp_path / "handles.py").write_text(
         "import signal, sys, time, torch\n"
-        "def bye(signum, frame):\n    print('handled', flush=True)\n    sys.exit(3)\n"
+        "PREV = signal.getsignal(signal.SIGTERM)\n"
+        f"def bye(signum, frame):\n{chain}    print('handled', flush=True)\n    sys.exit(3)\n"
         "signal.signal(signal.SIGTERM, bye)\n"
         "m = torch.nn.Linear(2, 1)\nm(torch.ones(1, 2)).sum().backward()\n"
         "print('ready', flush=True)\ntime.sleep(60)\n")

@@ -40,6 +40,12 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+# The text and Graphviz renderers that str(report) and report.to_dot() use
+# register themselves: loaded with the package, so that a report made from
+# versionwatch._report alone, or unpickled in another process, still renders.
+# Plain Python, no torch.
+from versionwatch import _explain as _explain
+
 _WHERE = {
     "AutoWatcher": "_auto",
     "watch_all": "_auto",
@@ -48,11 +54,11 @@ _WHERE = {
     "InplaceModificationError": "_errors",
     "assert_backward_safe": "_predict",
     "check": "_predict",
-    "Hazard": "_explain",  # loads the renderers str(report) uses
-    "Modification": "_explain",  # loads the renderers str(report) uses
-    "Repair": "_explain",  # loads the renderers str(report) uses
-    "Report": "_explain",  # loads the renderers str(report) uses
-    "Site": "_explain",  # loads the renderers str(report) uses
+    "Hazard": "_report",
+    "Modification": "_report",
+    "Repair": "_report",
+    "Report": "_report",
+    "Site": "_report",
     "Timeline": "_timeline",
     "Watcher": "_watch",
     "watch": "_watch",

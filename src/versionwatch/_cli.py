@@ -18,6 +18,7 @@ from importlib.machinery import SourceFileLoader
 from types import ModuleType, TracebackType
 from typing import Any, NoReturn
 
+from versionwatch._config import POLICIES
 from versionwatch._teardown import TermGuard
 
 USAGE = """\
@@ -43,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         "belongs to the program, as with python. `--` ends versionwatch's options: "
         "`versionwatch run -- train.py --json x` passes `--json x` to train.py.",
     )
-    run.add_argument("--on-hazard", choices=("raise", "warn", "log", "repair"), default="raise",
+    run.add_argument("--on-hazard", choices=POLICIES, default="raise",
                      help="what a predicted hazard does (default: raise, exit status 1); "
                      "repair keeps copies so that backward after step() works (docs/repair.md)")
     run.add_argument("--json", metavar="PATH",

@@ -2,8 +2,7 @@
 
 It depends on the report, which knows nothing of it: loading this module
 registers the text renderer (and, through ``_dot``, the Graphviz one) that
-``str(report)`` and ``report.to_dot()`` use. ``versionwatch.Report`` and its
-kin are loaded from here for that reason.
+``str(report)`` and ``report.to_dot()`` use. The package loads it at import.
 """
 
 from __future__ import annotations
@@ -11,9 +10,9 @@ from __future__ import annotations
 import re
 
 from versionwatch import _dot  # noqa: F401  (loads and registers the Graphviz renderer)
-from versionwatch._report import Hazard, Modification, Report, Site, register_renderer
+from versionwatch._report import Hazard, Report, register_renderer
 
-__all__ = ["Hazard", "Modification", "Report", "Site", "fix_for", "op_name", "render_report"]
+__all__ = ["fix_for", "op_name", "render_report"]
 
 _BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
 

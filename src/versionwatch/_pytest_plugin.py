@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from versionwatch._config import POLICIES
+
 _KEY = pytest.StashKey[Any]()
 
 
@@ -28,7 +30,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--versionwatch-strict", action="store_true", default=False,
                     help="like --versionwatch, in strict mode (each write to a saved tensor "
                     "is caught at its line)")
-    group.addoption("--versionwatch-on-hazard", choices=("raise", "warn", "log", "repair"),
+    group.addoption("--versionwatch-on-hazard", choices=POLICIES,
                     default="raise", help="what a hazard does under --versionwatch")
 
 

@@ -68,10 +68,13 @@ def run_child(command: list[str], backward: int) -> tuple[dict[str, Any] | None,
         env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, env=env, check=False)
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        if text:
-            return json.loads(text), ""
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            if text:
+                return json.loads(text), ""
+        except (OSError, ValueError) as e:  # a child killed halfway through its write
+            return None, f"ended (exit status {done.returncode}) with an unreadable report: {e}"
         said = done.stderr.decode(errors="replace").strip().splitlines()
         last = f": {said[-1]}" if said else ""
         return None, (f"ended (exit status {done.returncode}) before backward "

@@ -70,8 +70,9 @@ class TermGuard:
             r, w = self._pipe
             self._pipe = None
             try:
-                if signal.set_wakeup_fd(-1) != w:  # replaced meanwhile: put it back
-                    signal.set_wakeup_fd(-1)
+                prev = signal.set_wakeup_fd(-1)
+                if prev not in (w, -1):  # replaced meanwhile: put that one back
+                    signal.set_wakeup_fd(prev)
             except ValueError:
                 pass
             os.close(w)  # the thread's read returns b"": it ends
@@ -80,6 +81,11 @@ class TermGuard:
             os.close(r)
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
+        # Called by a program's own handler that chains to the one it replaced
+        # (``prev = getsignal(SIGTERM)``): unwatched that was SIG_DFL, not
+        # callable, so the program goes on as it chose.
+        if signal.getsignal(signal.SIGTERM) != self._handler:
+            return
         self._fire(main=True)
 
     def _watch(self, r: int) -> None:
