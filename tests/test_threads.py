@@ -385,3 +385,30 @@ def test_default_mode_names_each_threads_forward():
             assert h.shape == (2, width) and h.module == name
             assert re.fullmatch(rf"{name}\.forward #1( on thread {name})? at .*",
                                 h.saved_during or ""), h.saved_during
+
+
+def test_a_step_that_raised_is_closed_by_the_next_step() -> None:
+    # With a second thread alive, a step opens a window in which versions that
+    # move are blamed on it; a step vetoed by a pre-hook never reaches our
+    # post-hook, and its window must not outlive it.
+    release = threading.Event()
+    idle = threading.Thread(target=release.wait)
+    idle.start()
+    try:
+        model = nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def veto(*_: object) -> None:
+            raise RuntimeError("vetoed")
+
+        with versionwatch.watch(model, opt) as w:
+            handle = opt.register_step_pre_hook(veto)  # after ours: ours has run
+            model(torch.ones(1, 2)).sum().backward()
+            with pytest.raises(RuntimeError, match="vetoed"):
+                opt.step()
+            handle.remove()
+            opt.step()
+            assert not w.ledger._stepping and not w.ledger._steps
+    finally:
+        release.set()
+        idle.join()

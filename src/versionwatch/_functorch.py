@@ -43,12 +43,3 @@ def in_functorch_transform(*values: Any) -> bool:
             if any(isinstance(t, torch.Tensor) and _wrapped(t) for t in value):
                 return True
     return False
-
-
-def in_transform() -> bool:
-    """True inside a ``torch.func`` transform: :func:`in_functorch_transform` without values.
-
-    Asked at every watched forward, where the general function's call costs
-    more than the answer.
-    """
-    return _level is not None and _level() is not None

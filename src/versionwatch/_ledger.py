@@ -188,7 +188,7 @@ class Ledger:
 
         Once events come from more than one thread, ``label`` and ``cause``
         name the thread they happen on. ``unchanged``: the caller saw (with
-        :meth:`quiet`) that no version moved between the last event and this
+        :meth:`_layout`'s versions) that no version moved between the last event and this
         one, and versions have moved since; the event gets the last event's.
         """
         me = threading.get_ident()
@@ -283,23 +283,6 @@ class Ledger:
                 if now == layout[3]:
                     return self.record(kind, label, seq=seq, unchanged=True)
             return self.record(kind, label, None, cause=cause(), seq=seq)
-
-    def quiet(self, since: list[int] | None = None) -> list[int] | None:
-        """The watched versions now if none moved since the last event (or ``since``), else None.
-
-        Lock-free: the hot path of a forward under
-        ``no_grad``. None also when the answer needs the slow path (a tensor
-        died, or the tracked set changed).
-        """
-        layout = self._layout
-        if layout is None:
-            return None
-        try:
-            # A list comprehension: faster here than map() over the C getters.
-            now = [r()._version for r in layout[1]]  # type: ignore[union-attr]
-        except AttributeError:  # a dead reference gave None
-            return None
-        return now if now == (layout[3] if since is None else since) else None
 
     def _scan(
         self,

@@ -894,7 +894,7 @@ def predict(
     """:func:`check` for a watcher: names resolved, silent writes known.
 
     Only the outputs and inputs are judged here; a watcher leaves the rest of
-    the call's arguments to PyTorch. The gate set by :func:`gated` on this
+    the call's arguments to PyTorch. The gate set on this
     thread gets the walked nodes before any saved tensor is read (it may wait
     for other threads' backwards). The signature stays the five arguments that
     observers of the watcher (the peer harness) wrap.
@@ -911,16 +911,6 @@ class _Gate(threading.local):
 
 
 _GATE = _Gate()
-
-
-@contextlib.contextmanager
-def gated(fn: Callable[[Sequence[Node]], None]) -> Iterator[None]:
-    """While active on this thread, :func:`predict` calls ``fn`` with the walked nodes."""
-    previous, _GATE.fn = _GATE.fn, fn
-    try:
-        yield
-    finally:
-        _GATE.fn = previous
 
 
 def _predict(

@@ -167,11 +167,10 @@ class _Local(threading.local):
     step_checked = False  # that step's writes were checked as a whole, up front
     step_frame: tuple[int, Any] | None = None  # id and code of the frame running the step
     forward: str | None = None  # label of the root forward running, if any
-    modules: list[str] | None = None
-    # Per running module call, as ``modules``: the user's frame above that call
-    # once a pack inside it has looked (``_UNSEEN`` until then). Those frames are
-    # on the stack anyway, and each entry goes when its call returns.
-    callers: list[Any] | None = None
+    # Per running module call, innermost last: [its name, the user's frame above
+    # it once a pack inside it has looked (``_UNSEEN`` until then)]. Those frames
+    # are on the stack anyway, and each entry goes when its call returns.
+    modules: list[list[Any]] | None = None
     # (node's sequence number) -> (code, line, forward) of what this thread saved
     # for that node, newest last: a freed graph's saving lines (see saved_line).
     lines: dict[int, tuple[CodeType, int, str | None]] | None = None
@@ -260,25 +259,27 @@ def _in_step() -> bool:
 
 
 def pack(t: torch.Tensor) -> SavedRecord:
+    if not STATE.owners:  # a hook left on a thread by a close from another: inert
+        return SavedRecord(t, None, None)
     local = _LOCAL
     stack = local.modules
     # The user's frame running the op that saves ``t``: the first one up the
     # stack outside torch and versionwatch (our hook stack, nn.Module's call,
-    # F.linear). A few frames, one cached dict lookup each; no frame is kept.
+    # F.linear). A few frames, one cached dict lookup each; no record keeps a
+    # frame (``modules`` holds one only while its module call runs).
     # f_back, not _getframe(1): a backward's engine thread may call pack with
     # no Python frame above it.
     frame: FrameType | None = sys._getframe().f_back
     library = _is_library
     # Above a module call, the answer is the same for every tensor saved inside
-    # it (a Sequential of 100 layers): found once per call, kept in ``callers``.
-    callers = local.callers
-    depth = len(callers) - 1 if callers else -1
+    # it (a Sequential of 100 layers): found once per call, kept in ``modules``.
+    depth = len(stack) - 1 if stack else -1
     pending: list[int] | None = None
     while frame is not None:
         code = frame.f_code
         if code is _CALL_CODE and depth >= 0:
-            assert callers is not None
-            found = callers[depth]
+            assert stack is not None
+            found = stack[depth][1]
             if found is not _UNSEEN:
                 frame = found
                 break
@@ -295,12 +296,12 @@ def pack(t: torch.Tensor) -> SavedRecord:
                 break
         frame = frame.f_back
     if pending:
-        assert callers is not None
+        assert stack is not None
         for d in pending:  # every frame passed was a library's: the same answer
-            callers[d] = frame
+            stack[d][1] = frame
     if frame is not None:
         code, line = frame.f_code, frame.f_lineno
-        rec = SavedRecord(t, stack[-1] if stack else None, local.forward, code, line)
+        rec = SavedRecord(t, stack[-1][0] if stack else None, local.forward, code, line)
         if sequence_nr is not None:
             # The node saving ``t`` was numbered just before (a node takes its
             # number when made, and saves after). A freed graph's records are
@@ -312,9 +313,9 @@ def pack(t: torch.Tensor) -> SavedRecord:
             if len(lines) >= _LINES_KEPT:  # two windows: no eviction per save
                 local.lines_old, local.lines = lines, {}
     else:
-        rec = SavedRecord(t, stack[-1] if stack else None, local.forward)
+        rec = SavedRecord(t, stack[-1][0] if stack else None, local.forward)
     key = _storage_key(t)
-    if key and STATE.owners:  # none: a hook left on a thread by a close from another
+    if key:
         registry = STATE.registry
         refs = registry.get(key)
         if refs is None:
@@ -796,16 +797,11 @@ def _module_call(call_impl: Callable[..., Any]) -> Callable[..., Any]:
             stack = local.modules = []
         if local.step is not None:
             end_step()  # optimizers run no modules: that step is over, or a closure runs
-        stack.append(names.get(id(self)) or type(self).__name__)
-        callers = local.callers
-        if callers is None:
-            callers = local.callers = []
-        callers.append(_UNSEEN)
+        stack.append([names.get(id(self)) or type(self).__name__, _UNSEEN])
         try:
             return call_impl(self, *args, **kwargs)
         finally:
             stack.pop()
-            callers.pop()
 
     return _call_impl
 

@@ -587,7 +587,8 @@ class Watcher:
             # next() is atomic: threads number from one counter, with no lock.
             n = self._forwards[root] = next(self._counters[root])
             if not torch.is_grad_enabled():
-                # Ledger.quiet(), inline: the hot path of an acting loop.
+                # The watched versions, read lock-free (a layout is replaced, never
+                # changed): the hot path of an acting loop.
                 layout = self.ledger._layout
                 if layout is not None:
                     try:
@@ -609,7 +610,7 @@ class Watcher:
         if self._sharded and root in self._sharded:
             self._track_unsharded(root)
         if before is not None:
-            layout = self.ledger._layout  # Ledger.quiet(before), inline
+            layout = self.ledger._layout  # as at the start: did anything move?
             if layout is not None:
                 try:
                     now = [r()._version for r in layout[1]]  # type: ignore[union-attr]
@@ -664,6 +665,8 @@ class Watcher:
             state = self._optimizer(opt)
         if state is None:
             return
+        if state.pending is not None:  # the last step raised: its post-hook never ran
+            self.ledger.end_step(state.pending[0])
         state.steps += 1
         label = f"{state.label}.step() #{state.steps}"
         site = user_site(3)
@@ -822,7 +825,6 @@ class Watcher:
         # freed is older, and one built since is newer (see _explain_freed).
         self.ledger.record("backward", f"backward #{n}", site,
                            seq=_seq_clock() if frees else None, frees=frees)
-        _LOCAL.busy = True
         ended = False
         scope = self._scope()
         names, silent = self._names, self._silent
@@ -836,8 +838,9 @@ class Watcher:
         if self._repair is not None and not frees:
             self._repair.retain(outputs, f"backward #{n}", site)
         flight = _inflight.Flight(self, f"backward #{n}", site, frees)
+        _LOCAL.busy = True  # reset in the finally below, whatever raises
         try:
-            # The gate of :func:`gated`, set inline: a generator-based context
+            # The prediction's gate, set inline: a generator-based context
             # manager costs about as much as the rest of this preamble.
             gate = _GATE.fn
             _GATE.fn = functools.partial(_inflight.depart, flight)
@@ -859,7 +862,7 @@ class Watcher:
                 if flight.freed_by:
                     _inflight.name_freer(report, flight)
                 if not report.ok:
-                    if report.hazards[0].kind == "freed":
+                    if any(h.kind == "freed" for h in report.hazards):
                         self._explain_freed(report, outputs, scope)
                     self._explain(report, scope)
                 if n == self._replay_at:
@@ -1110,6 +1113,8 @@ class Watcher:
             # The raise unwinds the step: its post-hook will not run.
             _strict.end_step()
             for state in self._optimizers.values():
+                if state.pending is not None:
+                    self.ledger.end_step(state.pending[0])
                 state.pending = None
         report = Report(hazards=hazards, rank=_distributed.rank())
         self.reports.append(report)
