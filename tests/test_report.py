@@ -200,3 +200,24 @@ def test_wording_fallback_is_a_template():
     assert tpl is not None and tpl.clause == (", which is output ", ",")
     assert not tpl.full_names and tpl.hint.startswith(" Hint: enable anomaly detection")
     assert _torchtext._parse("some other words entirely") is None
+
+
+def test_every_public_name_resolves_and_a_bare_report_renders() -> None:
+    """``versionwatch.X`` for each name of ``__all__``; a report made from
+    ``versionwatch._report`` alone (as one unpickled in a worker) still renders."""
+    import subprocess
+    import sys
+
+    code = (
+        "import versionwatch\n"
+        "for name in versionwatch.__all__:\n"
+        "    getattr(versionwatch, name)\n"
+        "from versionwatch._report import Hazard, Report, Repair\n"
+        "assert versionwatch.Repair is Repair\n"
+        "print(str(Report(hazards=[Hazard(kind='inplace', node='MulBackward0', slot='other')]))"
+        ".splitlines()[0])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("versionwatch: backward will fail: a tensor saved by "
+                               "MulBackward0"), r.stdout
