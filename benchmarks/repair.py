@@ -51,7 +51,7 @@ except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import versionwatch
 
-import overhead  # noqa: E402  (the benchmark models and the interleaved measure)
+import overhead  # (the benchmark models and the interleaved measure)
 
 # --- part 1: nothing to repair -------------------------------------------------------------
 

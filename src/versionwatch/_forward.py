@@ -33,6 +33,7 @@ from versionwatch._functorch import functorch_level
 # torch.compiler, whose flag is_compiling() returns outside TorchScript: read
 # inline at every watched forward (the call costs more than the answer).
 _COMPILER: Any = torch.compiler if COMPILING_FLAG else None
+_grad_enabled = torch.is_grad_enabled
 
 # id(root module) -> (module ref, watcher ref, root name), in registration order.
 _Entry = tuple["weakref.ref[nn.Module]", "weakref.ref[Any]", str]
@@ -203,6 +204,34 @@ def _call(target: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
         w = watcher_ref()
         if module_ref() is not module or w is None or w._closed:
             return call_impl(*args, **kwargs)
+        if not _grad_enabled() and not (w._synced or w._sharded):
+            # A forward that saves nothing (an acting forward of a reinforcement
+            # learning loop): Watcher._on_forward's no-grad path, inline. The
+            # versions before it are the last event's: it leaves no event unless
+            # it writes a watched tensor (versions only grow, so one read after
+            # it tells).
+            layout = w.ledger._layout
+            if layout is not None:
+                refs, last = layout[1], layout[3]
+                try:
+                    before: list[int] | None = [r()._version for r in refs]
+                except AttributeError:  # a watched tensor died: the full path drops it
+                    before = None
+                if before == last:
+                    n = w._forwards[name] = next(w._counters[name])
+                    try:
+                        result = call_impl(*args, **kwargs)
+                    finally:
+                        if not w._closed:
+                            try:
+                                now: list[int] | None = [r()._version for r in refs]
+                            except AttributeError:
+                                now = None
+                            if now != last:
+                                w._on_forward(name, False, (n, before))
+                    if w._repair is not None:
+                        w._repair.outputs(result, w._label(name, n))
+                    return result
         token = w._on_forward(name, True)
         try:
             result = call_impl(*args, **kwargs)

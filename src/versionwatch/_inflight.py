@@ -44,7 +44,10 @@ from versionwatch._report import Report, Site
 # prediction runs anyway, racing as it would without a watcher.
 WAIT_LIMIT_S = 60.0
 
-_COND = threading.Condition(threading.Lock())
+# _MUTEX is _COND's lock: taken directly on the hot paths (Condition's own
+# __enter__ is a Python call), with the same effect.
+_MUTEX = threading.Lock()
+_COND = threading.Condition(_MUTEX)
 _FLYING: dict[int, Flight] = {}
 # Landed flights, newest last: who freed a graph that a later prediction finds freed.
 _LANDED: deque[Flight] = deque(maxlen=32)
@@ -100,7 +103,7 @@ class Flight:
                  frees: bool = True) -> None:
         self.owner = id(owner)
         self.exact = 0
-        self.thread = _thread_serial()
+        self.thread = _SERIAL.value or _thread_serial()
         self.thread_name = threading.current_thread().name
         self.label = label
         self.site = site
@@ -130,8 +133,11 @@ def depart(flight: Flight, nodes: Sequence[Any]) -> None:
     """
     me = flight.thread
     if threading.active_count() == 1:
-        with _COND:
-            if threading.active_count() == 1 and all(f.thread == me for f in _FLYING.values()):
+        with _MUTEX:
+            for f in _FLYING.values():
+                if f.thread != me:
+                    break
+            else:
                 # One thread, and no other thread's flight in the air (the usual
                 # training loop): nothing to wait for or record, as below,
                 # without asking whether this thread runs a graph task.
@@ -185,7 +191,7 @@ def land(flight: Flight) -> None:
     held, flight.held = flight.held, []
     if flight.frees and held:
         flight.prints = _fingerprint(held)
-    with _COND:
+    with _MUTEX:
         flight.freed_by = []  # landed flights must not chain to older ones
         flight.nodes = None
         if _FLYING.pop(flight.token, None) is not None:

@@ -14,7 +14,9 @@ themselves in :data:`RENDERERS` when they load, and ``str(report)`` and
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import os
+import sys
+from dataclasses import FrozenInstanceError, asdict, dataclass, field
 from typing import Any, Callable, Literal
 
 HazardKind = Literal["inplace", "freed", "silent"]
@@ -37,13 +39,74 @@ def _render(report: Report, kind: str) -> str:
     return render(report)
 
 
-@dataclass(frozen=True)
-class Site:
-    """A place in the user's code: ``file:line`` and, when readable, the source line."""
+def relative_path(filename: str) -> str:
+    """``filename`` as reports show it: relative to the working directory, else to sys.path."""
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:
+        return filename
+    if not rel.startswith(".."):
+        return rel
+    # Outside the working directory: relative to the import root (site-packages).
+    for root in sorted((p for p in sys.path if p), key=len, reverse=True):
+        root = os.path.join(os.path.abspath(root), "")
+        if filename.startswith(root):
+            return filename[len(root):]
+    return filename
 
-    file: str
+
+class Site:
+    """A place in the user's code: ``file:line`` and, when readable, the source line.
+
+    ``file`` is the path as given, shown relative to the working directory at
+    the time it is read: a watcher records the interpreter's own path at every
+    event, and asking the working directory then would cost a system call per
+    event. Immutable, compared and hashed by its three fields.
+    """
+
+    __slots__ = ("_path", "_shown", "code", "line")
+    _path: str
+    _shown: tuple[str, str] | None
     line: int
-    code: str = ""
+    code: str
+
+    def __init__(self, file: str, line: int, code: str = "") -> None:
+        set_ = object.__setattr__
+        set_(self, "_path", file)
+        set_(self, "line", line)
+        set_(self, "code", code)
+        set_(self, "_shown", None)  # (working directory, file as shown there)
+
+    @property
+    def file(self) -> str:
+        cwd = os.getcwd()
+        shown = self._shown
+        if shown is None or shown[0] != cwd:
+            shown = (cwd, relative_path(self._path))
+            object.__setattr__(self, "_shown", shown)
+        return shown[1]
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Site):
+            return NotImplemented
+        return (self.line == other.line and self.code == other.code
+                and (self._path == other._path or self.file == other.file))
+
+    def __hash__(self) -> int:
+        # Equal sites have equal lines and code, whatever path spelling they hold.
+        return hash((self.line, self.code))
+
+    def __reduce__(self) -> tuple[type[Site], tuple[str, int, str]]:
+        return Site, (self.file, self.line, self.code)
+
+    def __repr__(self) -> str:
+        return f"Site(file={self.file!r}, line={self.line!r}, code={self.code!r})"
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}"

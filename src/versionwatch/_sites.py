@@ -10,7 +10,7 @@ from types import FrameType
 
 import torch
 
-from versionwatch._report import Site
+from versionwatch._report import Site, relative_path
 
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(p)) + os.sep
@@ -73,10 +73,9 @@ def user_frame(skip: int = 1) -> tuple[FrameType | None, int]:
     return frame, level
 
 
-# (file, line) -> Site, for the working directory in _SITES_CWD: a training loop
-# asks for the same few lines at every step.
+# (file, line) -> Site: a training loop asks for the same few lines at every
+# step. A Site shows its path relative to the working directory when read.
 _SITES: dict[tuple[str, int], Site] = {}
-_SITES_CWD = [""]
 
 
 def user_site(skip: int = 2) -> Site | None:
@@ -95,39 +94,23 @@ def user_site(skip: int = 2) -> Site | None:
         frame = frame.f_back
     if frame is None:
         return None
-    line = frame.f_lineno
-    if os.getcwd() == _SITES_CWD[0]:
-        site = _SITES.get((filename, line))
-        if site is not None:
-            return site
-    return site_at(filename, line)
+    site = _SITES.get((filename, frame.f_lineno))
+    if site is not None:
+        return site
+    return site_at(filename, frame.f_lineno)
 
 
 def site_at(filename: str, line: int) -> Site:
     """The :class:`Site` of ``filename:line``, with its source line (cached)."""
     key = (filename, line)
-    cwd = os.getcwd()
-    if cwd != _SITES_CWD[0] or len(_SITES) > 4096:
-        _SITES.clear()  # relative paths depend on the working directory
-        _SITES_CWD[0] = cwd
     site = _SITES.get(key)
     if site is None:
-        filename, line = key
-        site = Site(_short(filename), line, linecache.getline(filename, line).strip())
+        if len(_SITES) > 4096:
+            _SITES.clear()
+        site = Site(filename, line, linecache.getline(filename, line).strip())
         _SITES[key] = site
     return site
 
 
 def _short(filename: str) -> str:
-    try:
-        rel = os.path.relpath(filename)
-    except ValueError:
-        return filename
-    if not rel.startswith(".."):
-        return rel
-    # Outside the working directory: relative to the import root (site-packages).
-    for root in sorted((p for p in sys.path if p), key=len, reverse=True):
-        root = os.path.join(os.path.abspath(root), "")
-        if filename.startswith(root):
-            return filename[len(root):]
-    return filename
+    return relative_path(filename)

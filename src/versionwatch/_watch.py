@@ -61,9 +61,10 @@ def _stack() -> list[Watcher]:
 
 def _current() -> Watcher | None:
     """The innermost watcher of this thread, else the newest one of any thread."""
-    if getattr(_LOCAL, "busy", False):
+    local = _LOCAL.__dict__  # busy and stack, read without two getattr calls
+    if local.get("busy"):
         return None
-    stack = _stack()
+    stack: list[Watcher] | None = local.get("stack")
     if stack:
         return stack[-1]
     with _LOCK:
@@ -76,12 +77,20 @@ def _owner(opt: Optimizer) -> tuple[Watcher, _OptimizerState] | None:
     With nested watchers an outer model's optimizer must reach the outer
     watcher, not the innermost one, which would ignore it.
     """
-    if getattr(_LOCAL, "busy", False):
+    local = _LOCAL.__dict__  # busy and stack, read without two getattr calls
+    if local.get("busy"):
         return None
-    stack = _stack()
+    stack: list[Watcher] | None = local.get("stack")
+    if stack is None:
+        stack = _stack()
     if len(stack) == 1:  # one watcher on this thread: no list to build
-        candidates = stack
-    elif stack:
+        w = stack[0]
+        if not w._closed:
+            state = w._optimizer(opt)
+            if state is not None:
+                return w, state
+        return None
+    if stack:
         candidates = stack[::-1]
     else:
         with _LOCK:
@@ -340,11 +349,14 @@ _Pending = tuple[str, Optional[Site], list[tuple["weakref.ref[torch.Tensor]", in
 
 
 class _OptimizerState:
-    __slots__ = ("label", "params", "pending", "ref", "steps")
+    __slots__ = ("label", "params", "pending", "ref", "steps", "zero_label")
 
     def __init__(self, opt: Optimizer, label: str) -> None:
         self.ref = weakref.ref(opt)
         self.label = label
+        # The zero_grad event's label, by set_to_none (made once, not every step).
+        self.zero_label = (f"{label}.zero_grad(set_to_none=False)",
+                           f"{label}.zero_grad(set_to_none=True)")
         self.steps = 0
         self.pending: _Pending | None = None
         # (ids of each group's params, watched params, their Tracked): reused
@@ -628,8 +640,7 @@ class Watcher:
         # The clock at the end too: nodes numbered between the two were made
         # by this forward, activations included (ledger.place_forward).
         seq = _seq_clock() if torch.is_grad_enabled() else None
-        self.ledger.end("forward_end", label,
-                        lambda: Modification("module_forward", f"during {label} of {root}"),
+        self.ledger.end("forward_end", label, "module_forward", f"during {label} of {root}",
                         seq=seq)
         return None
 
@@ -656,8 +667,9 @@ class Watcher:
                     g = p.grad
                     tr.grad_mark = (set_to_none, None if g is None else id(g),
                                     0 if g is None else g._version)
-        self.ledger.record("zero_grad", f"{state.label}.zero_grad(set_to_none={set_to_none})",
-                           user_site(3))
+        label = (state.zero_label[set_to_none] if set_to_none is True or set_to_none is False
+                 else f"{state.label}.zero_grad(set_to_none={set_to_none})")
+        self.ledger.record("zero_grad", label, user_site(3))
 
     def _on_step_pre(self, opt: Optimizer, state: _OptimizerState | None = None) -> None:
         """``state``: ``self._optimizer(opt)``, when the caller has it already."""
@@ -821,12 +833,15 @@ class Watcher:
             self._backwards += 1
             n = self._backwards
         frees = _inflight.frees(api, arguments)
+        label = f"backward #{n}"
         # A freeing backward keeps the clock at its start: a graph it may have
         # freed is older, and one built since is newer (see _explain_freed).
-        self.ledger.record("backward", f"backward #{n}", site,
+        self.ledger.record("backward", label, site,
                            seq=_seq_clock() if frees else None, frees=frees)
         ended = False
-        scope = self._scope()
+        stack = self._thread_stack
+        # The usual case, one watcher: _scope() without building its list.
+        scope = [self] if len(stack) == 1 and stack[0] is self else self._scope()
         names, silent = self._names, self._silent
         if len(scope) > 1:  # nested watchers: name what any of them watches
             names, silent = {}, {}
@@ -837,7 +852,7 @@ class Watcher:
             silent = self._this_thread(silent, scope)
         if self._repair is not None and not frees:
             self._repair.retain(outputs, f"backward #{n}", site)
-        flight = _inflight.Flight(self, f"backward #{n}", site, frees)
+        flight = _inflight.Flight(self, label, site, frees)
         _LOCAL.busy = True  # reset in the finally below, whatever raises
         try:
             # The prediction's gate, set inline: a generator-based context
@@ -910,8 +925,8 @@ class Watcher:
         return {k: c for k, c in silent.items() if on.get(k, me) == me}
 
     def _end_backward(self, n: int) -> None:
-        self.ledger.end("backward_end", f"backward #{n}",
-                        lambda: Modification("backward", f"during backward #{n}"))
+        label = f"backward #{n}"
+        self.ledger.end("backward_end", label, "backward", f"during {label}")
 
     def _scope(self) -> list[Watcher]:
         """This watcher, then the other open watchers of its thread, innermost first."""
