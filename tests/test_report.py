@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -221,3 +222,48 @@ def test_every_public_name_resolves_and_a_bare_report_renders() -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("versionwatch: backward will fail: a tensor saved by "
                                "MulBackward0"), r.stdout
+
+
+def test_a_site_shows_its_path_relative_to_the_working_directory_when_read(tmp_path, monkeypatch):
+    """A watcher records the interpreter's own path; the report shows it from where you stand."""
+    import copy
+    import dataclasses
+    import pickle
+
+    (tmp_path / "pkg").mkdir()
+    path = str(tmp_path / "pkg" / "train.py")
+    monkeypatch.chdir(tmp_path)
+    site = versionwatch.Site(path, 7, "loss.backward()")
+    assert (site.file, str(site)) == ("pkg/train.py", "pkg/train.py:7")
+    monkeypatch.chdir(tmp_path / "pkg")
+    assert (site.file, str(site)) == ("train.py", "train.py:7")
+    assert site == versionwatch.Site("train.py", 7, "loss.backward()")
+    assert hash(site) == hash(versionwatch.Site("train.py", 7, "loss.backward()"))
+    assert site != versionwatch.Site(path, 8, "loss.backward()")
+    assert repr(site) == "Site(file='train.py', line=7, code='loss.backward()')"
+    for back in (pickle.loads(pickle.dumps(site)), copy.deepcopy(site)):
+        assert (back.file, back.line, back.code) == ("train.py", 7, "loss.backward()")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        site.line = 8  # type: ignore[misc]
+
+
+def test_a_watchers_sites_follow_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    prog = tmp_path / "sub" / "vw_site_prog.py"
+    prog.write_text("def run(w, loss):\n    loss.backward()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "sub"))
+    import importlib
+
+    user = importlib.import_module("vw_site_prog")
+    monkeypatch.delitem(sys.modules, "vw_site_prog")
+
+    m, loss = _seed_like()
+    with versionwatch.watch({"m": m}, on_hazard="log") as w:
+        with pytest.raises(RuntimeError):
+            user.run(w, loss)
+        report = w.reports[-1]
+    assert str(report.backward_site) == "sub/vw_site_prog.py:2"
+    monkeypatch.chdir(tmp_path / "sub")
+    assert str(report.backward_site) == "vw_site_prog.py:2"
+    assert report.to_dict()["hazards"][0]["backward_site"] == {"file": "vw_site_prog.py", "line": 2}
