@@ -27,6 +27,10 @@ one thread:
               networks exist before it opens, so they are adopted at their
               first call, as in a script
   strict      ``versionwatch.watch(qnet, opt, strict=True)``
+  predict_only  a watcher of an unrelated module: every backward of the loop is
+              predicted and the process-wide hooks run, but the loop's model
+              and optimizer are not watched (no events, no ledger): the floor
+              of the default mode, what exact prediction alone costs
 
 The ratio is the median, over rounds, of each round's block time against the
 same round's unwatched block time (with its interquartile range).
@@ -206,6 +210,10 @@ CONFIGS: list[Config] = [
     ("watch", lambda loop: versionwatch.watch({"model": loop.model}, loop.opt)),
     ("watch_all", lambda loop: versionwatch.watch_all()),
     ("strict", lambda loop: versionwatch.watch({"model": loop.model}, loop.opt, strict=True)),
+    # The floor of the default mode: a watcher of an unrelated module is open,
+    # so every backward of the loop is still predicted (exactly) and the
+    # process-wide hooks run, but nothing of the loop's model is watched.
+    ("predict_only", lambda loop: versionwatch.watch({"other": nn.Conv1d(1, 1, 1)})),
 ]
 
 
