@@ -790,3 +790,31 @@ def test_an_observer_of_predict_sees_every_prediction(monkeypatch):
         with pytest.raises(InplaceModificationError):
             loss.backward()
     assert seen == [True, False]
+
+
+def test_an_acting_forward_is_blamed_for_its_own_writes_only():
+    """Under no_grad a forward leaves no event unless it writes; a write just before it is not its."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with versionwatch.watch(model, opt) as w:
+        opt.zero_grad()
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            model.eval()
+            model(torch.randn(8, 4))  # writes nothing: no event
+            model.train()
+            model[0].weight.mul_(0.5)  # user code, before the next forward
+            model(torch.randn(8, 4))  # BatchNorm's running stats: its own writes
+            with pytest.raises(RuntimeError):
+                model(torch.randn(8, 5))  # raises inside: nothing written, nothing recorded
+            model.eval()
+            model(torch.randn(8, 4))
+    forwards = [ev.label for ev in w.ledger.events if ev.kind == "forward"]
+    assert forwards == ["forward #1", "forward #3"]
+    weight = w.ledger.by_name["model.0.weight"].history[-1].modification
+    assert weight.kind == "between_events"
+    assert weight.description.startswith("in user code between SGD.step() #1")
+    stats = w.ledger.by_name["model.1.num_batches_tracked"].history[-1].modification
+    assert stats.description == "during forward #3 of model"
+    assert w._forwards["model"] == 5
