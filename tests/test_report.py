@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
@@ -241,10 +242,20 @@ def test_a_site_shows_its_path_relative_to_the_working_directory_when_read(tmp_p
     assert hash(site) == hash(versionwatch.Site("train.py", 7, "loss.backward()"))
     assert site != versionwatch.Site(path, 8, "loss.backward()")
     assert repr(site) == "Site(file='train.py', line=7, code='loss.backward()')"
-    for back in (pickle.loads(pickle.dumps(site)), copy.deepcopy(site)):
+    for back in (pickle.loads(pickle.dumps(site)), copy.deepcopy(site),
+                 dataclasses.replace(site)):
+        assert back == site
         assert (back.file, back.line, back.code) == ("train.py", 7, "loss.backward()")
+    assert dataclasses.asdict(site) == {"file": "train.py", "line": 7, "code": "loss.backward()"}
     with pytest.raises(dataclasses.FrozenInstanceError):
         site.line = 8  # type: ignore[misc]
+    (tmp_path / "doomed").mkdir()
+    monkeypatch.chdir(tmp_path / "doomed")
+    shown = str(site)  # outside the working directory (and sys.path): as recorded
+    assert shown == f"{path}:7"
+    os.rmdir(tmp_path / "doomed")  # the working directory deleted under the program
+    assert str(site) == shown  # what it showed last
+    assert str(versionwatch.Site(path, 8)) == f"{path}:8"
 
 
 def test_a_watchers_sites_follow_the_working_directory(tmp_path, monkeypatch):

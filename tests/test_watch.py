@@ -818,3 +818,31 @@ def test_an_acting_forward_is_blamed_for_its_own_writes_only():
     stats = w.ledger.by_name["model.1.num_batches_tracked"].history[-1].modification
     assert stats.description == "during forward #3 of model"
     assert w._forwards["model"] == 5
+
+
+def test_an_acting_forward_that_adopts_a_module_and_writes_it_is_recorded():
+    """watch_all adopts a module first called inside a root's no_grad forward, which writes it."""
+    helpers: list[nn.Module] = []
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            if helpers:
+                y = helpers[-1](y)
+                helpers[-1].running_mean.add_(1)  # the root's forward writes the helper
+            return y
+
+    with versionwatch.watch_all(on_hazard="warn") as w:
+        root = Root()
+        with torch.no_grad():
+            root(torch.randn(4, 2))
+            helpers.append(nn.BatchNorm1d(2).eval())
+            root(torch.randn(4, 2))
+    stats = [tr for name, tr in w.ledger.by_name.items() if name.endswith("running_mean")]
+    assert len(stats) == 1 and len(stats[0].history) == 1
+    moved = stats[0].history[0].modification
+    assert (moved.kind, moved.description) == ("module_forward", "during root.forward #2 of root")

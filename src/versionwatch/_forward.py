@@ -227,10 +227,12 @@ def _call(target: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
                                 now: list[int] | None = [r()._version for r in refs]
                             except AttributeError:
                                 now = None
-                            if now != last:
+                            # A layout replaced meanwhile (a module adopted inside
+                            # this forward) tracks more: the full path reads it.
+                            if now != last or w.ledger._layout is not layout:
                                 w._on_forward(name, False, (n, before))
-                    if w._repair is not None:
-                        w._repair.outputs(result, w._label(name, n))
+                    if w._repair is not None and name in w._forwards:
+                        w._repair.outputs(result, w._label(name, w._forwards[name]))
                     return result
         token = w._on_forward(name, True)
         try:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import FrozenInstanceError, asdict, dataclass, field
-from typing import Any, Callable, Literal
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 HazardKind = Literal["inplace", "freed", "silent"]
 SCHEMA = "versionwatch.report/1"
@@ -43,7 +43,7 @@ def relative_path(filename: str) -> str:
     """``filename`` as reports show it: relative to the working directory, else to sys.path."""
     try:
         rel = os.path.relpath(filename)
-    except ValueError:
+    except (OSError, ValueError):  # no working directory, or another drive
         return filename
     if not rel.startswith(".."):
         return rel
@@ -55,58 +55,55 @@ def relative_path(filename: str) -> str:
     return filename
 
 
+class _ShownPath:
+    """``Site.file``: stores the path as given, reads it relative to the working directory.
+
+    A data descriptor as a dataclass field: ``Site`` stays a frozen dataclass
+    (``asdict``, ``replace``, ``fields``, pattern matching), while a watcher
+    records the interpreter's own path at every event without asking the
+    working directory (a system call) each time.
+    """
+
+    def __get__(self, site: Site | None, owner: type | None = None) -> str:
+        if site is None:
+            raise AttributeError("file")  # a required field: no class-level default
+        path: str = site.__dict__["_path"]
+        try:
+            cwd = os.getcwd()
+        except OSError:  # the working directory was deleted: show what was shown last
+            shown = site.__dict__.get("_shown")
+            return shown[1] if shown is not None else path
+        shown = site.__dict__.get("_shown")
+        if shown is None or shown[0] != cwd:
+            shown = (cwd, relative_path(path))
+            site.__dict__["_shown"] = shown
+        return shown[1]
+
+    def __set__(self, site: Site, path: str) -> None:
+        # Only the dataclass's __init__ gets here (through object.__setattr__): frozen.
+        site.__dict__["_path"] = path
+        site.__dict__.pop("_shown", None)
+
+
+@dataclass(frozen=True)
 class Site:
     """A place in the user's code: ``file:line`` and, when readable, the source line.
 
-    ``file`` is the path as given, shown relative to the working directory at
-    the time it is read: a watcher records the interpreter's own path at every
-    event, and asking the working directory then would cost a system call per
-    event. Immutable, compared and hashed by its three fields.
+    ``file`` is shown relative to the working directory at the time it is
+    read (else relative to the import root it lies under, else as given).
+    Equal sites have the same line and code and show the same file.
     """
 
-    __slots__ = ("_path", "_shown", "code", "line")
-    _path: str
-    _shown: tuple[str, str] | None
+    if TYPE_CHECKING:
+        file: str
+    else:
+        file: _ShownPath = _ShownPath()  # a required field that reads as a str
     line: int
-    code: str
-
-    def __init__(self, file: str, line: int, code: str = "") -> None:
-        set_ = object.__setattr__
-        set_(self, "_path", file)
-        set_(self, "line", line)
-        set_(self, "code", code)
-        set_(self, "_shown", None)  # (working directory, file as shown there)
-
-    @property
-    def file(self) -> str:
-        cwd = os.getcwd()
-        shown = self._shown
-        if shown is None or shown[0] != cwd:
-            shown = (cwd, relative_path(self._path))
-            object.__setattr__(self, "_shown", shown)
-        return shown[1]
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name: str) -> None:
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Site):
-            return NotImplemented
-        return (self.line == other.line and self.code == other.code
-                and (self._path == other._path or self.file == other.file))
+    code: str = ""
 
     def __hash__(self) -> int:
-        # Equal sites have equal lines and code, whatever path spelling they hold.
+        # Equal sites have equal lines and code, whatever the working directory.
         return hash((self.line, self.code))
-
-    def __reduce__(self) -> tuple[type[Site], tuple[str, int, str]]:
-        return Site, (self.file, self.line, self.code)
-
-    def __repr__(self) -> str:
-        return f"Site(file={self.file!r}, line={self.line!r}, code={self.code!r})"
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}"
