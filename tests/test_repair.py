@@ -527,3 +527,39 @@ def _activation_clone_grads() -> list[torch.Tensor]:
     y = model(torch.randn(7, 5)).sigmoid()
     head(y).pow(2).mean().backward()
     return [p.grad.clone() for p in [*model.parameters(), *head.parameters()]]
+
+
+class Strided(nn.Module):
+    """Uses every other column of its weight: the graph saves a sliced, non-dense view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w[:, ::2]
+
+
+@pytest.mark.parametrize("mode", ["repair", "repair_strict"])
+def test_a_repaired_view_keeps_its_strides(mode: str):
+    """The copy is laid out as the view the graph saved, not made contiguous."""
+    torch.manual_seed(0)
+    model = Strided()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 16, requires_grad=True)  # so that mm saves the weight's view
+    with _mode_ctx(mode, {"model": model}, opt) as w:
+        y = model(x)
+        first = y.pow(2).sum()
+        first.backward(retain_graph=True)
+        saved = y.grad_fn._saved_mat2  # the view, before any step
+        layout, values = saved.stride(), saved.detach().clone()
+        opt.step()
+        copy = y.grad_fn._saved_mat2  # the repaired slot
+        assert copy.stride() == layout == (16, 2)
+        assert torch.equal(copy, values) and not torch.equal(copy, model.w[:, ::2])
+        y.sum().backward()
+        assert w.repair_summary()["repairs"] == 1
+        # Default mode copies the view's contiguous base once, for every view of it;
+        # strict mode the view's span, from its first element to its last.
+        span = 16 * 16 if mode == "repair" else 15 * 16 + 14 + 1
+        assert w.repair_summary()["copied_bytes"] == span * 4

@@ -135,8 +135,9 @@ class Repairer:
             self._default = (len(tracked), max(_MIN_BUDGET, 2 * total))
         return self._default[1]
 
-    def _hold(self, copy: torch.Tensor) -> int:
-        nbytes = copy.numel() * copy.element_size()
+    def _hold(self, copy: torch.Tensor, nbytes: int | None = None) -> int:
+        if nbytes is None:
+            nbytes = copy.numel() * copy.element_size()
         key = id(copy)
 
         def freed(_: object) -> None:
@@ -372,11 +373,13 @@ class Repairer:
         nbytes = 0
         if whole is None:
             source = base if shared else data
-            nbytes = source.numel() * source.element_size()
+            nbytes = _span_bytes(source)
             if not self.fits(nbytes):
                 return None
-            whole = source.detach().clone()  # no graph: cheaper than entering no_grad
-            self._hold(whole)
+            whole = _copy_as_laid_out(source)
+            if whole.layout is torch.strided:
+                nbytes = whole.untyped_storage().nbytes()
+            self._hold(whole, nbytes)
             if not shared:
                 return whole, nbytes
             copies[ckey] = whole
@@ -556,6 +559,37 @@ def strict_hits(repairer: Repairer, names: dict[int, str], label: str, site: Sit
     for name, (nbytes, graph) in done.items():
         repairer.note(Repair(tensor=name, nbytes=nbytes, graph=graph, before=label, site=site))
     return left
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """At most what :func:`_copy_as_laid_out` allocates for ``t``.
+
+    Its elements, or, laid out as in ``t``, the memory from its first element
+    to its last.
+    """
+    n = t.numel()
+    if t.layout is not torch.strided or n == 0:
+        return n * t.element_size()
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return max(n, span) * t.element_size()
+
+
+def _copy_as_laid_out(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its sizes and strides, so that a kernel reads it as it read ``t``.
+
+    ``clone()`` makes a sliced view (``w[:, ::2]``) contiguous, and a backward
+    given other strides may pick another kernel, and round differently.
+    Overlapping strides (``expand``) cannot be written: those get ``clone()``'s.
+    """
+    src = t.detach()  # no graph: cheaper than entering no_grad
+    if src.layout is not torch.strided or src.is_contiguous() or 0 in src.stride():
+        return src.clone()
+    try:
+        out = torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device=src.device)
+        out.copy_(src)
+    except RuntimeError:  # strides no copy can write to (overlap)
+        return src.clone()
+    return out
 
 
 def _forward_of(rec: Any) -> str:
