@@ -563,3 +563,22 @@ def test_a_repaired_view_keeps_its_strides(mode: str):
         # strict mode the view's span, from its first element to its last.
         span = 16 * 16 if mode == "repair" else 15 * 16 + 14 + 1
         assert w.repair_summary()["copied_bytes"] == span * 4
+
+
+def test_closing_a_nested_strict_repairer_leaves_the_outer_one_repairing():
+    torch.manual_seed(0)
+    model, other = Seed(), nn.Linear(2, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    mse = nn.MSELoss()
+    with versionwatch.watch({"model": model}, optim, on_hazard="repair", strict=True) as outer:
+        with versionwatch.watch({"other": other}, on_hazard="repair", strict=True):
+            other(torch.randn(1, 2))
+        for _ in range(3):  # the seed story: fails at its second iteration unrepaired
+            y1_pred, y2_pred = model(torch.randn(1))
+            optim.zero_grad(set_to_none=False)
+            mse(y1_pred, torch.randn(1)).backward(retain_graph=True)
+            optim.step()
+            optim.zero_grad(set_to_none=False)
+            mse(y2_pred, torch.randn(1)).backward()
+            optim.step()
+        assert outer.repair_summary()["repairs"] >= 2

@@ -206,6 +206,10 @@ _LOCAL = STATE.local
 # recorded; returns the hits it could not repair (set by the repairing watcher).
 REPAIR: Callable[[str, Site | None, list[tuple[torch.Tensor, SavedRecord]]],
                  list[tuple[torch.Tensor, SavedRecord]]] | None = None
+# Every open repairing strict watcher's, oldest first: REPAIR is the newest's,
+# and closing a nested one hands REPAIR back to the one it was opened in.
+REPAIRERS: list[Callable[[str, Site | None, list[tuple[torch.Tensor, SavedRecord]]],
+                         list[tuple[torch.Tensor, SavedRecord]]]] = []
 
 
 

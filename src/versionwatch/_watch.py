@@ -464,6 +464,7 @@ class Watcher:
             if self.strict:
                 self._saved_hooks = _strict.attach(self)
                 if self._repair is not None:
+                    _strict.REPAIRERS.append(self._strict_repair)
                     _strict.REPAIR = self._strict_repair
         self._thread_stack.append(self)
 
@@ -1102,8 +1103,9 @@ class Watcher:
         self._closed = True
         self._remove_hooks()
         with _LOCK:
-            if _strict.REPAIR == self._strict_repair:
-                _strict.REPAIR = None
+            if self._strict_repair in _strict.REPAIRERS:
+                _strict.REPAIRERS.remove(self._strict_repair)
+                _strict.REPAIR = _strict.REPAIRERS[-1] if _strict.REPAIRERS else None
             if self._repair is not None:
                 self._repair.roots = []
             if self._saved_hooks is not None:
