@@ -387,6 +387,17 @@ def test_merge_agreement_and_disagreement(tmp_path: Path) -> None:
                              "m.w ends at version 2 on rank 0, 3 on rank 1"]
 
 
+def test_merge_names_a_missing_rank_and_refuses_a_rank_given_twice(tmp_path: Path) -> None:
+    for r in (0, 2):
+        doc = {**_doc(r, 0, [], {"m.w": 2}), "world_size": 3}
+        (tmp_path / f"r{r}.json").write_text(json.dumps(doc))
+    s = merge([str(tmp_path / "r0.json"), str(tmp_path / "r2.json")])
+    assert s["disagree"] == ["no report from rank 1 of world size 3"]
+    with pytest.raises(MergeError, match=r"r0.json and .*r0.json are both the report of rank 0: "
+                                         r"give one report per rank"):
+        merge([str(tmp_path / "r0.json"), str(tmp_path / "r0.json")])
+
+
 def test_merge_bad_input(tmp_path: Path) -> None:
     (tmp_path / "x.json").write_text("[1]")
     (tmp_path / "y.json").write_text("{")

@@ -60,7 +60,8 @@ def merge(paths: Sequence[str]) -> dict[str, Any]:
     """The summary of the per-rank reports at ``paths`` (schema ``versionwatch.ranks/1``).
 
     Raises:
-        MergeError: a file is missing, not JSON, or not a versionwatch report.
+        MergeError: a file is missing, not JSON, or not a versionwatch report;
+            or two files are the reports of one rank.
     """
     docs = []
     for i, path in enumerate(paths):
@@ -68,6 +69,10 @@ def merge(paths: Sequence[str]) -> dict[str, Any]:
         rank = doc.get("rank")
         docs.append((rank if isinstance(rank, int) else i, path, doc))
     docs.sort(key=lambda d: d[0])
+    for (r, first, _), (s, second, _) in zip(docs, docs[1:]):
+        if r == s:
+            raise MergeError(f"{first} and {second} are both the report of rank {r}: "
+                             "give one report per rank")
     ranks = [r for r, _, _ in docs]
     hazards: dict[tuple[str, str, str, str], dict[str, Any]] = {}
     for r, _, doc in docs:
@@ -80,6 +85,14 @@ def merge(paths: Sequence[str]) -> dict[str, Any]:
             if r not in entry["ranks"]:
                 entry["ranks"].append(r)
     disagree = []
+    sizes = {doc.get("world_size") for _, _, doc in docs if isinstance(doc.get("world_size"), int)}
+    if len(sizes) > 1:
+        disagree.append("world size: " + ", ".join(
+            f"{doc.get('world_size')} on rank {r}" for r, _, doc in docs))
+    elif sizes:
+        missing = [r for r in range(max(sizes)) if r not in ranks]
+        if missing:
+            disagree.append(f"no report from {_ranks_text(missing)} of world size {max(sizes)}")
     for h in hazards.values():
         if h["ranks"] != ranks:
             disagree.append(f"{h['tensor']} ({h['kind']}, {h['saved_by']}): "
