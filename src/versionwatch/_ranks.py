@@ -85,14 +85,15 @@ def merge(paths: Sequence[str]) -> dict[str, Any]:
             if r not in entry["ranks"]:
                 entry["ranks"].append(r)
     disagree = []
-    sizes = {doc.get("world_size") for _, _, doc in docs if isinstance(doc.get("world_size"), int)}
+    sizes: set[int] = {w for _, _, doc in docs if isinstance(w := doc.get("world_size"), int)}
     if len(sizes) > 1:
         disagree.append("world size: " + ", ".join(
             f"{doc.get('world_size')} on rank {r}" for r, _, doc in docs))
     elif sizes:
-        missing = [r for r in range(max(sizes)) if r not in ranks]
+        size = sizes.pop()
+        missing = [r for r in range(size) if r not in ranks]
         if missing:
-            disagree.append(f"no report from {_ranks_text(missing)} of world size {max(sizes)}")
+            disagree.append(f"no report from {_ranks_text(missing)} of world size {size}")
     for h in hazards.values():
         if h["ranks"] != ranks:
             disagree.append(f"{h['tensor']} ({h['kind']}, {h['saved_by']}): "
