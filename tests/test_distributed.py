@@ -396,6 +396,17 @@ def test_merge_names_a_missing_rank_and_refuses_a_rank_given_twice(tmp_path: Pat
     with pytest.raises(MergeError, match=r"r0.json and .*r0.json are both the report of rank 0: "
                                          r"give one report per rank"):
         merge([str(tmp_path / "r0.json"), str(tmp_path / "r0.json")])
+    lone = {k: v for k, v in _doc(0, 0, [], {}).items() if k not in ("rank", "world_size")}
+    (tmp_path / "lone.json").write_text(json.dumps(lone))
+    with pytest.raises(MergeError, match=r"lone.json has no rank, unlike the others"):
+        merge([str(tmp_path / "lone.json"), str(tmp_path / "r0.json")])
+    (tmp_path / "r5.json").write_text(json.dumps({**_doc(5, 0, [], {}), "world_size": 3}))
+    s = merge([str(tmp_path / "r0.json"), str(tmp_path / "r5.json")])
+    assert s["disagree"] == ["rank 5 outside world size 3",
+                             "no report from ranks 1, 2 of world size 3"]
+    (tmp_path / "r1.json").write_text(json.dumps(_doc(1, 0, [], {})))
+    s = merge([str(tmp_path / "r0.json"), str(tmp_path / "r1.json")])
+    assert s["disagree"] == ["world size: 3 on rank 0, 2 on rank 1"]
 
 
 def test_merge_bad_input(tmp_path: Path) -> None:

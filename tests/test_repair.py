@@ -582,3 +582,36 @@ def test_closing_a_nested_strict_repairer_leaves_the_outer_one_repairing():
             mse(y2_pred, torch.randn(1)).backward()
             optim.step()
         assert outer.repair_summary()["repairs"] >= 2
+
+
+def test_nested_strict_repairers_each_repair_what_they_watch():
+    torch.manual_seed(0)
+    big, small = nn.Linear(4, 4), nn.Linear(2, 2)
+    opt = torch.optim.SGD(big.parameters(), lr=0.1)
+    with versionwatch.watch({"big": big}, opt, on_hazard="repair", strict=True) as outer:
+        with versionwatch.watch({"small": small}, on_hazard="repair", strict=True,
+                                repair_budget=8) as inner:
+            y = big(torch.randn(3, 4, requires_grad=True))
+            y.sum().backward(retain_graph=True)
+            opt.step()
+            y.pow(2).sum().backward()  # under the inner's 8-byte budget, this would raise
+        assert [r.tensor for r in outer.repairs] == ["big.weight"]
+        assert inner.repairs == []
+
+
+def test_a_watcher_whose_close_raises_still_hands_repair_back(monkeypatch):
+    from versionwatch import _strict
+
+    model = Seed()
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)
+    with versionwatch.watch({"model": model}, optim, on_hazard="repair", strict=True) as outer:
+        inner = versionwatch.watch({"other": nn.Linear(2, 2)}, on_hazard="repair", strict=True)
+
+        def broken() -> None:
+            raise RuntimeError("a hook's removal failed")
+
+        monkeypatch.setattr(inner, "_remove_hooks", broken)
+        with pytest.raises(RuntimeError, match="a hook's removal failed"):
+            inner.close()
+        assert [r() for r in _strict.REPAIRERS] == [outer._strict_repair]
+    assert _strict.REPAIRERS == []

@@ -63,11 +63,15 @@ def merge(paths: Sequence[str]) -> dict[str, Any]:
         MergeError: a file is missing, not JSON, or not a versionwatch report;
             or two files are the reports of one rank.
     """
-    docs = []
-    for i, path in enumerate(paths):
-        doc = _load(path)
-        rank = doc.get("rank")
-        docs.append((rank if isinstance(rank, int) else i, path, doc))
+    loaded = [(path, _load(path)) for path in paths]
+    ranked = [type(doc.get("rank")) is int for _, doc in loaded]
+    if any(ranked) and not all(ranked):
+        path = next(p for (p, _), has in zip(loaded, ranked) if not has)
+        raise MergeError(f"{path} has no rank, unlike the others: it is not the report of a "
+                         "rank of the same distributed run")
+    # Reports without ranks (single processes) are numbered in the order given.
+    docs = [(doc["rank"] if has else i, path, doc)
+            for i, ((path, doc), has) in enumerate(zip(loaded, ranked))]
     docs.sort(key=lambda d: d[0])
     for (r, first, _), (s, second, _) in zip(docs, docs[1:]):
         if r == s:
@@ -85,12 +89,15 @@ def merge(paths: Sequence[str]) -> dict[str, Any]:
             if r not in entry["ranks"]:
                 entry["ranks"].append(r)
     disagree = []
-    sizes: set[int] = {w for _, _, doc in docs if isinstance(w := doc.get("world_size"), int)}
-    if len(sizes) > 1:
+    sizes = {r: w for r, _, doc in docs if type(w := doc.get("world_size")) is int}
+    if len(set(sizes.values())) > 1 or (sizes and len(sizes) < len(docs)):
         disagree.append("world size: " + ", ".join(
-            f"{doc.get('world_size')} on rank {r}" for r, _, doc in docs))
+            f"{sizes[r]} on rank {r}" if r in sizes else f"none on rank {r}" for r in ranks))
     elif sizes:
-        size = sizes.pop()
+        size = next(iter(sizes.values()))
+        outside = [r for r in ranks if not 0 <= r < size]
+        if outside:
+            disagree.append(f"{_ranks_text(outside)} outside world size {size}")
         missing = [r for r in range(size) if r not in ranks]
         if missing:
             disagree.append(f"no report from {_ranks_text(missing)} of world size {size}")

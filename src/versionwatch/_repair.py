@@ -561,33 +561,47 @@ def strict_hits(repairer: Repairer, names: dict[int, str], label: str, site: Sit
     return left
 
 
-def _span_bytes(t: torch.Tensor) -> int:
-    """At most what :func:`_copy_as_laid_out` allocates for ``t``.
+def _laid_out(t: torch.Tensor) -> bool:
+    """Whether :func:`_copy_as_laid_out` keeps ``t``'s strides (else it clones compactly).
 
-    Its elements, or, laid out as in ``t``, the memory from its first element
-    to its last.
+    A dense strided tensor that is not contiguous, whose elements span at most
+    twice their number (a sliced ``w[:, ::2]``, not a column ``w[:, 0]`` of a
+    large weight, which would hold the whole weight), with no dimension of
+    size above one repeated at stride 0 (``expand``: no copy can be written so).
     """
+    if t.layout is not torch.strided or t.is_nested or t.is_contiguous():
+        return False
     n = t.numel()
-    if t.layout is not torch.strided or n == 0:
-        return n * t.element_size()
-    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return max(n, span) * t.element_size()
+    if n == 0 or any(st == 0 and size > 1 for size, st in zip(t.shape, t.stride())):
+        return False
+    return _span(t) <= 2 * n
+
+
+def _span(t: torch.Tensor) -> int:
+    return 1 + sum((size - 1) * st for size, st in zip(t.shape, t.stride()))
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """At most what :func:`_copy_as_laid_out` allocates for ``t``."""
+    n = t.numel()
+    return (max(n, _span(t)) if _laid_out(t) else n) * t.element_size()
 
 
 def _copy_as_laid_out(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` with its sizes and strides, so that a kernel reads it as it read ``t``.
 
     ``clone()`` makes a sliced view (``w[:, ::2]``) contiguous, and a backward
-    given other strides may pick another kernel, and round differently.
-    Overlapping strides (``expand``) cannot be written: those get ``clone()``'s.
+    given other strides may pick another kernel, and round differently. See
+    :func:`_laid_out` for the views that are cloned compactly all the same.
     """
     src = t.detach()  # no graph: cheaper than entering no_grad
-    if src.layout is not torch.strided or src.is_contiguous() or 0 in src.stride():
+    if not _laid_out(src):
         return src.clone()
     try:
-        out = torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device=src.device)
+        # new_empty_strided keeps a tensor subclass, as clone() does.
+        out = src.new_empty_strided(src.size(), src.stride())
         out.copy_(src)
-    except RuntimeError:  # strides no copy can write to (overlap)
+    except RuntimeError:  # strides no copy can write to (an overlap)
         return src.clone()
     return out
 

@@ -202,14 +202,39 @@ class _State:
 
 STATE = _State()
 _LOCAL = STATE.local
-# ``on_hazard="repair"``: called with (label, site, hits) before a write is
-# recorded; returns the hits it could not repair (set by the repairing watcher).
-REPAIR: Callable[[str, Site | None, list[tuple[torch.Tensor, SavedRecord]]],
-                 list[tuple[torch.Tensor, SavedRecord]]] | None = None
-# Every open repairing strict watcher's, oldest first: REPAIR is the newest's,
-# and closing a nested one hands REPAIR back to the one it was opened in.
-REPAIRERS: list[Callable[[str, Site | None, list[tuple[torch.Tensor, SavedRecord]]],
-                         list[tuple[torch.Tensor, SavedRecord]]]] = []
+_Hits = list[tuple[torch.Tensor, "SavedRecord"]]
+# ``on_hazard="repair"``: each open repairing strict watcher's ``_strict_repair``,
+# oldest first, weakly (a watcher dropped without close() is not kept alive).
+# Called with (label, site, hits) before a write is recorded, it returns the
+# hits it could not repair.
+REPAIRERS: list[weakref.WeakMethod[Callable[[str, Site | None, _Hits], _Hits]]] = []
+
+
+def _repair(label: str, site: Site | None, hits: _Hits) -> _Hits:
+    """Hand each hit to the innermost repairing watcher that watches its tensor.
+
+    An activation (no watcher knows it) goes to the innermost one, as does
+    every hit while only one is open.
+    """
+    live = [m for m in (ref() for ref in REPAIRERS) if m is not None]
+    if not live:
+        return hits
+    if len(live) == 1:
+        return live[0](label, site, hits)
+    groups: dict[int, _Hits] = {}
+    for t, rec in hits:
+        own, base = rec.ids
+        owner = len(live) - 1
+        for k in range(len(live) - 1, -1, -1):
+            names = live[k].__self__._names  # type: ignore[attr-defined]
+            if own in names or (base is not None and base in names):
+                owner = k
+                break
+        groups.setdefault(owner, []).append((t, rec))
+    left: _Hits = []
+    for k, group in groups.items():
+        left += live[k](label, site, group)
+    return left
 
 
 
@@ -611,8 +636,8 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
         context = _LOCAL.step
     if context:
         label = context if name == "step" else f"{context} ({label})"
-    if REPAIR is not None:  # on_hazard="repair": copies first; what is left is recorded
-        hits = REPAIR(label, site, hits)
+    if REPAIRERS:  # on_hazard="repair": copies first; what is left is recorded
+        hits = _repair(label, site, hits)
         if not hits:
             return
     stop = STATE.owners[-1] if STATE.owners and STATE.owners[-1].stop_at_write else None

@@ -464,8 +464,7 @@ class Watcher:
             if self.strict:
                 self._saved_hooks = _strict.attach(self)
                 if self._repair is not None:
-                    _strict.REPAIRERS.append(self._strict_repair)
-                    _strict.REPAIR = self._strict_repair
+                    _strict.REPAIRERS.append(weakref.WeakMethod(self._strict_repair))
         self._thread_stack.append(self)
 
     # -- setup -----------------------------------------------------------------------
@@ -1101,22 +1100,23 @@ class Watcher:
         if self._closed:
             return
         self._closed = True
-        self._remove_hooks()
-        with _LOCK:
-            if self._strict_repair in _strict.REPAIRERS:
-                _strict.REPAIRERS.remove(self._strict_repair)
-                _strict.REPAIR = _strict.REPAIRERS[-1] if _strict.REPAIRERS else None
-            if self._repair is not None:
-                self._repair.roots = []
-            if self._saved_hooks is not None:
-                _strict.detach(self, self._saved_hooks)
-                self._saved_hooks = None
-            if self in _ACTIVE:
-                _ACTIVE.remove(self)
-                if not _ACTIVE:
-                    _uninstall()
-        if self in self._thread_stack:
-            self._thread_stack.remove(self)
+        try:
+            self._remove_hooks()
+        finally:  # whatever a hook's removal raised, the watcher leaves every registry
+            with _LOCK:
+                _strict.REPAIRERS[:] = [r for r in _strict.REPAIRERS
+                                        if r() not in (None, self._strict_repair)]
+                if self._repair is not None:
+                    self._repair.roots = []
+                if self._saved_hooks is not None:
+                    _strict.detach(self, self._saved_hooks)
+                    self._saved_hooks = None
+                if self in _ACTIVE:
+                    _ACTIVE.remove(self)
+                    if not _ACTIVE:
+                        _uninstall()
+            if self in self._thread_stack:
+                self._thread_stack.remove(self)
 
     def _on_strict_write(self, hazards: list[Hazard], records: list[Any]) -> None:
         """``stop_at_write``: a write is about to hit memory that a live graph saved."""
