@@ -248,24 +248,34 @@ def test_rank_from_the_process_group_without_torchrun(tmp_path: Path) -> None:
         assert (doc["rank"], doc["world_size"], doc["ok"]) == (r, 2, True)
 
 
+def _terminate_when_ready(tmp_path: Path, script: str) -> tuple[int, str]:
+    """``versionwatch run --json r.json SCRIPT``, sent SIGTERM once it prints "ready".
+
+    Returns its exit status and what it printed after "ready"; it is killed if
+    it outlives the test.
+    """
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    p = subprocess.Popen([sys.executable, "-m", "versionwatch", "run", "--json", "r.json",
+                          script], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    return p.returncode, out
+
+
 def test_sigterm_writes_the_report_then_dies_of_it(tmp_path: Path) -> None:
     """Outside torchrun too: SIGTERM writes the report, and the exit is the plain one."""
     (tmp_path / "sleeper.py").write_text(
         "import time, torch\nm = torch.nn.Linear(2, 1)\nm(torch.ones(1, 2)).sum().backward()\n"
         "print('ready', flush=True)\ntime.sleep(60)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    p = subprocess.Popen([sys.executable, "-m", "versionwatch", "run", "--json", "r.json",
-                          "sleeper.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdout.readline() == "ready\n"
-        p.send_signal(signal.SIGTERM)
-        p.wait(timeout=30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        p.communicate()
-    assert p.returncode == -signal.SIGTERM
+    returncode, _ = _terminate_when_ready(tmp_path, "sleeper.py")
+    assert returncode == -signal.SIGTERM
     doc = json.loads((tmp_path / "r.json").read_text())
     assert (doc["exit_status"], doc["exception"], "rank" in doc) == (
         143, "terminated by SIGTERM", False)
@@ -288,19 +298,8 @@ def test_sigterm_handler_of_the_program_is_kept(tmp_path: Path, chains: bool) ->
         "signal.signal(signal.SIGTERM, bye)\n"
         "m = torch.nn.Linear(2, 1)\nm(torch.ones(1, 2)).sum().backward()\n"
         "print('ready', flush=True)\ntime.sleep(60)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    p = subprocess.Popen([sys.executable, "-m", "versionwatch", "run", "--json", "r.json",
-                          "handles.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdout.readline() == "ready\n"
-        p.send_signal(signal.SIGTERM)
-        out, _ = p.communicate(timeout=30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
-    assert p.returncode == 3 and out == "handled\n", (p.returncode, out)
+    returncode, out = _terminate_when_ready(tmp_path, "handles.py")
+    assert returncode == 3 and out == "handled\n", (returncode, out)
     doc = json.loads((tmp_path / "r.json").read_text())
     assert (doc["exit_status"], doc["exception"]) == (3, None)
 

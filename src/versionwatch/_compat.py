@@ -62,6 +62,8 @@ COMPILING_FLAG: bool = is_compiling is not _is_compiling_fallback and isinstance
     getattr(_COMPILER, "_is_compiling_flag", None), bool)
 """``torch.compiler._is_compiling_flag`` exists: what :func:`is_compiling` returns
 outside TorchScript, which eager code can read without the call."""
+COMPILER_FLAG_OWNER: Any = _COMPILER if COMPILING_FLAG else None
+"""``torch.compiler`` where it has that flag (read as ``._is_compiling_flag``), else None."""
 
 
 is_tracing: Callable[[], bool] = getattr(

@@ -27,12 +27,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from versionwatch._compat import COMPILING_FLAG, is_compiling, is_tracing
+from versionwatch._compat import COMPILER_FLAG_OWNER, is_compiling, is_tracing
 from versionwatch._functorch import functorch_level
+from versionwatch._ledger import read_versions
 
 # torch.compiler, whose flag is_compiling() returns outside TorchScript: read
 # inline at every watched forward (the call costs more than the answer).
-_COMPILER: Any = torch.compiler if COMPILING_FLAG else None
+_COMPILER: Any = COMPILER_FLAG_OWNER
 _grad_enabled = torch.is_grad_enabled
 
 # id(root module) -> (module ref, watcher ref, root name), in registration order.
@@ -213,24 +214,18 @@ def _call(target: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
             layout = w.ledger._layout
             if layout is not None:
                 refs, last = layout[1], layout[3]
-                try:
-                    before: list[int] | None = [r()._version for r in refs]
-                except AttributeError:  # a watched tensor died: the full path drops it
-                    before = None
+                # None if a watched tensor died: the full path drops it.
+                before = read_versions(refs)
                 if before == last:
                     n = w._forwards[name] = next(w._counters[name])
                     try:
                         result = call_impl(*args, **kwargs)
                     finally:
-                        if not w._closed:
-                            try:
-                                now: list[int] | None = [r()._version for r in refs]
-                            except AttributeError:
-                                now = None
-                            # A layout replaced meanwhile (a module adopted inside
-                            # this forward) tracks more: the full path reads it.
-                            if now != last or w.ledger._layout is not layout:
-                                w._on_forward(name, False, (n, before))
+                        # A layout replaced meanwhile (a module adopted inside this
+                        # forward) tracks more: the full path reads it.
+                        if not w._closed and (w.ledger._layout is not layout
+                                              or read_versions(refs) != last):
+                            w._on_forward(name, False, (n, before))
                     if w._repair is not None and name in w._forwards:
                         w._repair.outputs(result, w._label(name, w._forwards[name]))
                     return result

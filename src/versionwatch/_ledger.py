@@ -80,6 +80,18 @@ class Tracked:
 _tuple_new = tuple.__new__
 
 
+def read_versions(refs: list[weakref.ref[torch.Tensor]]) -> list[int] | None:
+    """The versions of the tensors behind ``refs``, in order; None if one of them died.
+
+    The one version read of every event: lock-free (a layout is replaced,
+    never changed), a list comprehension (faster here than map over the getters).
+    """
+    try:
+        return [r()._version for r in refs]  # type: ignore[union-attr]
+    except AttributeError:  # a dead reference gave None
+        return None
+
+
 _Layout = tuple[
     list[int], list["weakref.ref[torch.Tensor]"], list[Tracked], list[int], dict[int, int]
 ]
@@ -231,14 +243,9 @@ class Ledger:
             event = _tuple_new(Event, (self.count, kind, label, site, seq, me, module, frees))
             layout = self._layout
             if layout is not None:
-                if unchanged:
-                    now = layout[3]
-                else:
-                    # _scan's fast path inline, for the usual event that moved nothing.
-                    try:
-                        now = [r()._version for r in layout[1]]  # type: ignore[union-attr]
-                    except AttributeError:  # a watched tensor died: _scan drops it
-                        now = None
+                # _scan's fast path inline, for the usual event that moved nothing
+                # (a watched tensor that died gives None: _scan drops it).
+                now = layout[3] if unchanged else read_versions(layout[1])
                 if now == layout[3]:
                     versions = layout[4]
                     if (cause is None and not unchanged and self.versions
@@ -267,28 +274,9 @@ class Ledger:
         """
         with self._lock:
             layout = self._layout
-            if layout is not None and not self.threaded:
-                try:
-                    now = [r()._version for r in layout[1]]  # type: ignore[union-attr]
-                except AttributeError:  # a watched tensor died: the full record drops it
-                    now = None
-                if now == layout[3]:
-                    me = threading.get_ident()
-                    if me == self._first_thread and self._first_alive is None:
-                        # record(kind, label, seq=seq, unchanged=True), inline: two of
-                        # these a training step, on the (main) thread that always recorded.
-                        self.count += 1
-                        site = None
-                        for start in reversed(self.events):
-                            if start.label == label:  # placed at the line that started it
-                                site = start.site
-                                break
-                        event = _tuple_new(Event, (self.count, kind, f"end of {label}", site,
-                                                   seq, me, None, False))
-                        self.events.append(event)
-                        self.versions.append(layout[4])
-                        return event
-                    return self.record(kind, label, seq=seq, unchanged=True)
+            if layout is not None and not self.threaded \
+                    and read_versions(layout[1]) == layout[3]:
+                return self.record(kind, label, seq=seq, unchanged=True)
             return self.record(kind, label, None, cause=Modification(cause_kind, cause_text),
                                seq=seq)
 
@@ -309,10 +297,7 @@ class Ledger:
         if layout is not None:
             keys, refs, trs, last, snapshot = layout
             if now is None:
-                try:
-                    now = [r()._version for r in refs]  # type: ignore[union-attr]
-                except AttributeError:  # a watched tensor died: the slow path drops it
-                    now = None
+                now = read_versions(refs)  # None if a watched tensor died: the slow path
             if now is not None:
                 if now == last:  # nothing moved: share the previous snapshot
                     return snapshot

@@ -80,24 +80,13 @@ _SITES: dict[tuple[str, int], Site] = {}
 
 def user_site(skip: int = 2) -> Site | None:
     """``file:line`` (and the source line) of the user's code that called into us."""
-    # user_frame and site_at's cache, inline: four of these a training step.
     # (user_frame(skip) counts from its own frame, one below this one.)
-    frame: FrameType | None = sys._getframe(skip - 1)
-    known = _is_library
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        hit = known.get(filename)
-        if hit is None:
-            hit = is_library(filename)
-        if not hit:
-            break
-        frame = frame.f_back
+    frame, _ = user_frame(skip)
     if frame is None:
         return None
-    site = _SITES.get((filename, frame.f_lineno))
-    if site is not None:
-        return site
-    return site_at(filename, frame.f_lineno)
+    filename, line = frame.f_code.co_filename, frame.f_lineno
+    site = _SITES.get((filename, line))  # site_at's cache, inline: four a training step
+    return site if site is not None else site_at(filename, line)
 
 
 def site_at(filename: str, line: int) -> Site:

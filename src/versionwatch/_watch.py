@@ -35,7 +35,7 @@ from versionwatch._config import Policy, resolve_policy
 from versionwatch._errors import InplaceHazardWarning
 from versionwatch._explain import fix_for, render_report
 from versionwatch._functorch import in_functorch_transform
-from versionwatch._ledger import Ledger, Tracked
+from versionwatch._ledger import Ledger, Tracked, read_versions
 from versionwatch._naming import has_fsdp, module_tensors
 from versionwatch._predict import _GATE, _VERSION_RE, predict, raise_for
 from versionwatch._repair import Repairer
@@ -84,13 +84,8 @@ def _owner(opt: Optimizer) -> tuple[Watcher, _OptimizerState] | None:
     if stack is None:
         stack = _stack()
     if len(stack) == 1:  # one watcher on this thread: no list to build
-        w = stack[0]
-        if not w._closed:
-            state = w._optimizer(opt)
-            if state is not None:
-                return w, state
-        return None
-    if stack:
+        candidates = stack
+    elif stack:
         candidates = stack[::-1]
     else:
         with _LOCK:
@@ -603,10 +598,7 @@ class Watcher:
                 # changed): the hot path of an acting loop.
                 layout = self.ledger._layout
                 if layout is not None:
-                    try:
-                        before = [r()._version for r in layout[1]]  # type: ignore[union-attr]
-                    except AttributeError:  # a dead reference gave None
-                        before = None
+                    before = read_versions(layout[1])
                     if before is not None and before == layout[3]:
                         return n, before
                 seq = None
@@ -623,13 +615,8 @@ class Watcher:
             self._track_unsharded(root)
         if before is not None:
             layout = self.ledger._layout  # as at the start: did anything move?
-            if layout is not None:
-                try:
-                    now = [r()._version for r in layout[1]]  # type: ignore[union-attr]
-                except AttributeError:  # a dead reference gave None
-                    now = None
-                if now == before:
-                    return None  # nothing moved: as if the forward never ran, for the ledger
+            if layout is not None and read_versions(layout[1]) == before:
+                return None  # nothing moved: as if the forward never ran, for the ledger
         label = self._label(root, n)
         if before is not None:
             # It wrote to a watched tensor: its events after all; nothing
@@ -809,7 +796,8 @@ class Watcher:
         self.ledger.record("step", label, site, cause=Modification("optimizer.step", label, site),
                            notes=notes)
         self.ledger.end_step(label)
-        if _fused(opt):
+        # ``touched`` is filled only for a fused (or a kept-grads) step: no second loop.
+        if touched and _fused(opt):
             # Fused kernels update parameters in place without bumping _version.
             clock = None
             for ref, v in touched:
@@ -839,9 +827,7 @@ class Watcher:
         self.ledger.record("backward", label, site,
                            seq=_seq_clock() if frees else None, frees=frees)
         ended = False
-        stack = self._thread_stack
-        # The usual case, one watcher: _scope() without building its list.
-        scope = [self] if len(stack) == 1 and stack[0] is self else self._scope()
+        scope = self._scope()
         names, silent = self._names, self._silent
         if len(scope) > 1:  # nested watchers: name what any of them watches
             names, silent = {}, {}
