@@ -6,8 +6,8 @@ times versionwatch's own code from inside the step: it wraps the watcher's
 entry points and the predictor's phases with ``time.perf_counter`` and reports
 the mean microseconds per step of each, next to the unwatched step time.
 
-It patches private functions (``versionwatch._watch``, ``_predict``, ``_graph``,
-``_ledger``), so it follows the code, not the API: update it when they move.
+It patches private functions (``versionwatch._watch``, ``_predict``, ``_checker``,
+``_graph``, ``_ledger``), so it follows the code, not the API: update it when they move.
 What it cannot see: the Python-level hook dispatch (nn.Module's hook path, the
 patched ``autograd.backward`` and ``Optimizer.zero_grad`` wrappers), garbage
 collection caused by our allocations, and cache effects on torch's own work.
@@ -48,7 +48,7 @@ from overhead import (  # the models and the step
     versionwatch,
 )
 
-from versionwatch import _graph, _ledger, _predict, _report, _watch
+from versionwatch import _checker, _graph, _ledger, _predict, _report, _watch
 
 TOTALS: dict[str, float] = defaultdict(float)
 COUNTS: dict[str, int] = defaultdict(int)
@@ -103,8 +103,8 @@ TOP = [
 ]
 INNER = [
     (_watch, "predict", "  predict() total"),
-    (_predict.Graph, "walk", "    graph walk"),
-    (_predict._Checker, "run", "    saved-tensor checks"),
+    (_graph.Graph, "walk", "    graph walk"),
+    (_checker.CHECKER, "run", "    saved-tensor checks"),
     (_predict, "lease", "    lease (taking it)"),
     (_ledger.Ledger, "record", "  ledger.record (all events)"),
     (_ledger.Ledger, "sync", "  ledger.sync"),
@@ -171,7 +171,7 @@ def split(s: Setup, steps: int, warmup: int) -> None:
 def _stubbed(s: Setup, checks: bool = False, predict: bool = False, ledger: bool = False,
              site: bool = False) -> Any:
     saved = [(_watch, "predict"), (_watch, "user_site"), (_ledger.Ledger, "record"),
-             (_ledger.Ledger, "sync"), (_predict._Checker, "run")]
+             (_ledger.Ledger, "sync"), (_checker.CHECKER, "run")]
     originals = [(owner, attr, owner.__dict__[attr]) for owner, attr in saved]
     if predict:
         _watch.predict = lambda *a, **k: _report.Report()  # type: ignore[assignment]
@@ -181,7 +181,7 @@ def _stubbed(s: Setup, checks: bool = False, predict: bool = False, ledger: bool
         _ledger.Ledger.record = lambda self, *a, **k: _ledger.Event(0, "x", "x")  # type: ignore[assignment]
         _ledger.Ledger.sync = lambda self, *a, **k: None  # type: ignore[assignment]
     if checks:
-        _predict._Checker.run = lambda self, *a, **k: None  # type: ignore[assignment]
+        _checker.CHECKER.run = lambda self, *a, **k: None  # type: ignore[assignment]
     try:
         with versionwatch.watch(s.model, s.opt):
             yield

@@ -196,12 +196,12 @@ def test_strict_unpack_raises_pytorchs_exact_error(case: str, anomaly: bool):
 
 def test_wording_fallback_is_a_template():
     """Where the running torch's words cannot be probed, torch 2.13's stand in."""
-    from versionwatch import _torchtext
+    from versionwatch import _torch_messages
 
-    tpl = _torchtext._parse(_torchtext._FALLBACK)
+    tpl = _torch_messages._parse(_torch_messages._FALLBACK)
     assert tpl is not None and tpl.clause == (", which is output ", ",")
     assert not tpl.full_names and tpl.hint.startswith(" Hint: enable anomaly detection")
-    assert _torchtext._parse("some other words entirely") is None
+    assert _torch_messages._parse("some other words entirely") is None
 
 
 def test_every_public_name_resolves_and_a_bare_report_renders() -> None:

@@ -7,21 +7,17 @@ registers the text renderer (and, through ``_dot``, the Graphviz one) that
 
 from __future__ import annotations
 
-import re
-
 from versionwatch import _dot  # noqa: F401  (loads and registers the Graphviz renderer)
 from versionwatch._report import Hazard, Report, register_renderer
+from versionwatch._torch_messages import BACKWARD_SUFFIX
 
 __all__ = ["fix_for", "op_name", "render_report"]
-
-_BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
-
 
 def op_name(node_or_producer: str) -> str:
     """``"SigmoidBackward0"`` or ``"Sigmoid"`` -> ``"sigmoid"``; custom Functions keep theirs."""
     if node_or_producer.endswith("CopySlices"):
         return "an in-place op on a view"
-    base = _BACKWARD_SUFFIX.sub("", node_or_producer)
+    base = BACKWARD_SUFFIX.sub("", node_or_producer)
     return base.lower() if base.isalnum() and not base.startswith("_") else base
 
 

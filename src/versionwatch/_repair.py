@@ -48,16 +48,9 @@ from versionwatch._compat import (
 )
 from versionwatch._errors import InplaceHazardWarning
 from versionwatch._graph import Graph, lease
-from versionwatch._predict import (
-    _COPY_SLICES,
-    _CUSTOM,
-    _FREED,
-    _PLANS,
-    TRUSTED_UNPACK,
-    _plan,
-    _planned,
-)
 from versionwatch._report import Repair, Site, size
+from versionwatch._slots import COPY_SLICES, CUSTOM, PLANS, plan_of, planned, trust_unpack
+from versionwatch._torch_messages import FREED
 
 _MIN_BUDGET = 64 << 20
 _SavedTensor: Any = SavedTensor
@@ -68,7 +61,7 @@ def unpack(copy: torch.Tensor) -> torch.Tensor:
     return copy
 
 
-TRUSTED_UNPACK.add(unpack)
+trust_unpack(unpack)
 allow_in_peek(unpack)
 
 
@@ -271,7 +264,7 @@ class Repairer:
         live = False
         matches: list[tuple[Any, Any, torch.Tensor, int, str]] = []
         intro = SAVED_INTROSPECTION
-        plans = _PLANS
+        plans = PLANS
         try:
             i = 0
             while i < len(nodes):
@@ -280,10 +273,10 @@ class Repairer:
                 freed = False
                 plan = plans.get(type(node))
                 if plan is None:
-                    plan = _plan(node)
+                    plan = plan_of(node)
                 # Nothing saved, or (CopySlices) saved out of Python's reach.
-                if plan and plan is not _COPY_SLICES:
-                    freed = intro and plan is not _CUSTOM
+                if plan and plan is not COPY_SLICES:
+                    freed = intro and plan is not CUSTOM
                     for _, raw_attr, saved_attr in plan:
                         if intro:
                             try:
@@ -483,8 +476,8 @@ def _freed(fn: Any) -> bool:
     """
     nodes = [fn]
     for node in nodes:
-        for _, _, plan in _planned([node], None):
-            if plan is _COPY_SLICES or plan is _CUSTOM:
+        for _, _, plan in planned([node], None):
+            if plan is COPY_SLICES or plan is CUSTOM:
                 return False
             for _, raw_attr, saved_attr in plan:
                 if SAVED_INTROSPECTION:
@@ -499,7 +492,7 @@ def _freed(fn: Any) -> bool:
                 except HookedSaved:
                     return False
                 except RuntimeError as e:
-                    return _FREED in str(e)
+                    return FREED in str(e)
                 if value is not None:
                     return False
             return SAVED_INTROSPECTION  # every slot of the node is empty

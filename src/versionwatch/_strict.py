@@ -43,10 +43,10 @@ from torch import nn
 from versionwatch import _hookstack
 from versionwatch._compat import PEEK as _PEEK
 from versionwatch._compat import HookedSaved, allow_in_peek, peek, sequence_nr, storage_address
-from versionwatch._explain import _BACKWARD_SUFFIX
 from versionwatch._report import Hazard, Modification, Site
 from versionwatch._sites import _is_library, is_library, site_at, user_site
-from versionwatch._torchtext import strict_message
+from versionwatch._torch_messages import BACKWARD_SUFFIX as _BACKWARD_SUFFIX
+from versionwatch._torch_messages import strict_message
 
 # In-place methods that change metadata only, never memory.
 _METADATA_ONLY = frozenset({

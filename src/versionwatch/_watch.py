@@ -37,11 +37,12 @@ from versionwatch._explain import fix_for, render_report
 from versionwatch._functorch import in_functorch_transform
 from versionwatch._ledger import Ledger, Tracked, read_versions
 from versionwatch._naming import has_fsdp, module_tensors
-from versionwatch._predict import _GATE, _VERSION_RE, predict, raise_for
+from versionwatch._predict import _GATE, predict, raise_for
 from versionwatch._repair import Repairer
 from versionwatch._report import Hazard, Modification, Repair, Report, Site, size
 from versionwatch._sites import user_frame, user_site
 from versionwatch._timeline import Timeline
+from versionwatch._torch_messages import VERSION_RE as _VERSION_RE
 
 logger = logging.getLogger("versionwatch")
 

@@ -1,25 +1,91 @@
-"""PyTorch's own sentence for a stale saved tensor, worded as the running torch words it.
+"""PyTorch's sentences, both ways: read from its errors, and written as it words them.
 
-Strict mode raises (and predicts) where PyTorch's check never runs, since
-PyTorch skips it for tensors behind saved-tensor hooks; its message must still
-be the one PyTorch would give, so that code and tests that match on it keep
-working. The wording differs between releases (the producer's name, the
+Reading: PyTorch's errors say what a failed check saw ("[torch.FloatTensor
+[8, 1]], which is output 0 of SigmoidBackward0, is at version 1; expected
+version 0 instead"), and the predictor takes the versions, the producer, the
+type and the shape from them where torch shows them nowhere else.
+
+Writing: strict mode raises (and predicts) where PyTorch's check never runs,
+since PyTorch skips it for tensors behind saved-tensor hooks; its message must
+still be the one PyTorch would give, so that code and tests that match on it
+keep working. The wording differs between releases (the producer's name, the
 anomaly hint), so it is learnt from the running torch: the first time a state
 of anomaly mode needs it, a tiny stale tensor is read in a fresh thread, which
 has no saved-tensor hooks and no dispatch modes of the caller's, and PyTorch's
 message is cut into a template.
+
+Importing this module loads no torch: the text renderer reads node names with
+it, and ``import versionwatch`` stays light. Torch is imported where a function
+needs it, when torch is loaded already.
 """
 
 from __future__ import annotations
 
+import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from versionwatch._compat import SAVED_INTROSPECTION, HookedSaved, peek
-from versionwatch._explain import _BACKWARD_SUFFIX
+# -- reading ------------------------------------------------------------------------
+
+VERSION_RE = re.compile(r"is at version (\d+); expected version (\d+) instead")
+"""A stale saved tensor: its version now (group 1) and when saved (group 2)."""
+PRODUCER_RE = re.compile(r"which is output \d+ of ([\w:]+)")
+"""The node (or, on newer torch, the op) that produced a stale saved non-leaf."""
+VIEW_NODE_RE = re.compile(
+    r"(T|Transpose|Permute|View|Reshape|UnsafeView|Expand|AsStrided|Slice|Select|Squeeze|"
+    r"Unsqueeze|Alias|Diagonal|Narrow)(Backward\d*)?")
+"""The name of a view's node, as a producer or a node's own name."""
+SAVED_RE = re.compile(r"\[(\S+) \[([\d, ]*)\]\]")  # "[torch.FloatTensor [8, 1]]"
+"""The stale tensor's type name (group 1) and sizes (group 2)."""
+FREED = "backward through the graph a second time"
+"""In every error about a graph whose saved tensors backward already freed."""
+BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
+"""A node's name past its op's: ``SigmoidBackward0`` is ``Sigmoid``'s node."""
+
+_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
+           "Long": "int64", "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8",
+           "Bool": "bool", "ComplexFloat": "complex64", "ComplexDouble": "complex128"}
+
+
+def message_type(msg: str) -> tuple[str | None, str | None]:
+    """dtype and device from PyTorch's type name: torch.cuda.HalfTensor -> float16, cuda."""
+    m = SAVED_RE.search(msg)
+    if m is None:
+        return None, None
+    parts = m.group(1).split(".")
+    dtype = _DTYPES.get(parts[-1].removesuffix("Tensor"))
+    return dtype, parts[1] if len(parts) == 3 else "cpu"
+
+
+def message_shape(msg: str) -> tuple[int, ...] | None:
+    """The stale tensor's shape, as PyTorch's message prints it."""
+    m = SAVED_RE.search(msg)
+    if m is None:
+        return None
+    return tuple(int(d) for d in m.group(2).split(",") if d.strip())
+
+
+def stale_index(raws: Sequence[Any], msg: str) -> int | None:
+    """The element of a saved list that PyTorch's message is about, if only one fits."""
+    import torch
+
+    m = VERSION_RE.search(msg)
+    t = SAVED_RE.search(msg)
+    if m is None or t is None:
+        return None
+    now, shape = int(m.group(1)), message_shape(msg)
+    hits = [k for k, r in enumerate(raws)
+            if r is not None and isinstance(d := r.data, torch.Tensor) and d._version == now
+            and tuple(d.shape) == shape and d.type() == t.group(1)]
+    return hits[0] if len(hits) == 1 else None
+
+
+# -- writing ------------------------------------------------------------------------
 
 _TENSOR = "[torch.FloatTensor [1]]"
 _VERSIONS = " is at version 1; expected version 0 instead."
@@ -47,6 +113,8 @@ _LOCK = threading.Lock()
 
 
 def _probe() -> str | None:
+    import torch
+
     said: list[str] = []
 
     def run() -> None:
@@ -109,10 +177,12 @@ def stale_message(t: torch.Tensor, now: int, saved: int, producer: str | None = 
             that saved its own output (``"SigmoidBackward0"``).
         output_nr: which of the producer's outputs it is.
     """
+    import torch
+
     tpl = _template(torch.is_anomaly_enabled())
     clause = ""
     if producer is not None and tpl.clause is not None:
-        name = producer if tpl.full_names else _BACKWARD_SUFFIX.sub("", producer)
+        name = producer if tpl.full_names else BACKWARD_SUFFIX.sub("", producer)
         clause = f"{tpl.clause[0]}{output_nr} of {name}{tpl.clause[1]}"
     return (f"{tpl.head}[{t.type()} {_sizes(t)}]{clause} is at version {now}; "
             f"expected version {saved} instead.{tpl.hint}")
@@ -140,8 +210,10 @@ def output_slot(node: object, packed: object) -> int | None:
     A node that saved its own output (``result``, ``result1``) is the producer
     PyTorch names; behind hooks only the packed value tells which slot is being
     unpacked: the raw saved tensor shows it, or (old torch) strict mode's own
-    unpack hook hands it to :func:`peek` instead of checking it.
+    unpack hook hands it to :func:`~versionwatch._compat.peek` instead of checking it.
     """
+    from versionwatch._compat import SAVED_INTROSPECTION, HookedSaved, peek
+
     for attr in dir(node):
         if not attr.startswith("_raw_saved_result"):
             continue
