@@ -344,7 +344,7 @@ def test_engine_probes_run_apart_from_the_callers_modes():
     even when first needed under inference_mode and a TorchFunctionMode."""
     from torch.overrides import TorchFunctionMode
 
-    from versionwatch import _call
+    from versionwatch import _arguments
 
     seen: list[str] = []
 
@@ -356,7 +356,7 @@ def test_engine_probes_run_apart_from_the_callers_modes():
     a, b = leaf(3), leaf(3)
     loss = (a * a).sum()
     real = _outcome(lambda: torch.autograd.grad(loss, [a, b], retain_graph=True))
-    for probe in (_call._unused, _call._edge_of_junk, _call._empty_inputs):
+    for probe in (_arguments._unused, _arguments._edge_of_junk, _arguments._empty_inputs):
         probe.cache_clear()
     with torch.inference_mode(), Record():
         ours = _outcome(lambda: versionwatch.assert_backward_safe(loss, inputs=[a, b], api="grad"))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from versionwatch._call import Call, Edge
+from versionwatch._arguments import Call, Edge
 from versionwatch._graph import Graph
 
 

@@ -8,10 +8,25 @@ for "modified by an inplace operation" keep working.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from versionwatch._report import Report
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def add_note(err: _E, text: str) -> _E:
+    """Add ``text`` to ``err``'s notes, shown under its traceback; returns ``err``.
+
+    ``BaseException.add_note`` where Python has it (3.11+); before, the
+    ``__notes__`` list it would set.
+    """
+    if hasattr(err, "add_note"):
+        err.add_note(text)
+    else:  # Python < 3.11 has no add_note: set what it would set
+        err.__notes__ = [*getattr(err, "__notes__", []), text]
+    return err
 
 
 class InplaceModificationError(RuntimeError):

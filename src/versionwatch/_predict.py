@@ -21,7 +21,7 @@ import torch
 from torch.autograd.graph import Node
 
 from versionwatch import _engine
-from versionwatch._call import Api, BadCall, Call, Edge, after_run, bind, parse
+from versionwatch._arguments import Api, BadCall, Call, Edge, after_run, bind, parse
 from versionwatch._checker import CHECKER
 from versionwatch._distributed import rank
 from versionwatch._errors import FreedGraphError, InplaceModificationError

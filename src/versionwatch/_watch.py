@@ -29,10 +29,11 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from versionwatch import _distributed, _forward, _inflight, _repair, _strict
-from versionwatch._call import BadCall, read_once, rejected
+from versionwatch._arguments import BadCall, read_once, rejected
 from versionwatch._compat import SAVED_INTROSPECTION, sequence_nr
 from versionwatch._config import Policy, resolve_policy
 from versionwatch._errors import InplaceHazardWarning
+from versionwatch._errors import add_note as _add_note
 from versionwatch._explain import fix_for, render_report
 from versionwatch._functorch import in_functorch_transform
 from versionwatch._ledger import Ledger, Tracked, read_versions
@@ -120,13 +121,6 @@ def _class_has_optimizer(cls: type) -> bool:
     if has is None:
         has = _HAS_OPTIMIZER_ATTR[cls] = hasattr(cls, "_optimizer") or hasattr(cls, "__getattr__")
     return has
-
-
-def _add_note(err: BaseException, text: str) -> None:
-    if hasattr(err, "add_note"):
-        err.add_note(text)
-    else:  # Python < 3.11
-        err.__notes__ = [*getattr(err, "__notes__", []), text]
 
 
 # -- the process-wide patches, installed while any watcher is open ------------------

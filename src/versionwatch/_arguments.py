@@ -29,11 +29,13 @@ from typing import Any, Callable, Literal, NoReturn, Union
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from versionwatch._errors import add_note
+
 Api = Literal["backward", "grad"]
 Edge = Union[torch.Tensor, GradientEdge]
 
 # The public functions as torch defines them, taken before a watcher replaces them.
-_ORIGINAL: dict[str, Callable[..., Any]] = {
+_TORCH_DEFINED: dict[str, Callable[..., Any]] = {
     "backward": torch.autograd.backward, "grad": torch.autograd.grad}
 
 
@@ -54,14 +56,6 @@ class Call:
     inputs: tuple[Edge, ...] | None
     allow_unused: bool = True
     materialize_grads: bool = False
-
-
-def _note(err: Exception, text: str) -> Exception:
-    if hasattr(err, "add_note"):
-        err.add_note(text)
-    else:  # Python < 3.11 has no add_note: set what it would set
-        err.__notes__ = [*getattr(err, "__notes__", []), text]
-    return err
 
 
 def _typename(x: object) -> str:
@@ -124,7 +118,7 @@ def _genuine(api: Api) -> Any:
     what the wrapper closes over, the real function, and run the whole
     backward inside the prediction: only PyTorch's own code is ever copied.
     """
-    fn: Any = _ORIGINAL[api]
+    fn: Any = _TORCH_DEFINED[api]
     for _ in range(100):  # a __wrapped__ chain can loop
         code = getattr(fn, "__code__", None)
         if (code is not None and getattr(fn, "__module__", None) == "torch.autograd"
@@ -263,7 +257,7 @@ def _check_edges(accumulate: bool, outs: tuple[Edge, ...], ins: tuple[Any, ...])
     """The engine's checks of the roots, then of the inputs (``run_backward``)."""
     for i, t in enumerate(outs):
         if isinstance(t, torch.Tensor) and t.grad_fn is None and not t.requires_grad:
-            raise BadCall(_note(
+            raise BadCall(add_note(
                 RuntimeError(f"element {i} of tensors does not require grad and does not "
                              "have a grad_fn"),
                 f"versionwatch: outputs[{i}] was computed under torch.no_grad() or "
