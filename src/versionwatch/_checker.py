@@ -63,7 +63,7 @@ class Finding:
     def __init__(self, index: int, nth: int, hazard: Hazard,
                  saved: torch.Tensor | SavedRecord | None) -> None:
         self.index = index  # the node's index in the walked graph
-        self.nth = nth  # hazards found before it: the order within one node
+        self.nth = nth  # findings before it: the order within one node
         self.hazard = hazard
         self.saved = saved  # the tensor, strict mode's record of it, or None if unseen
 
@@ -112,10 +112,10 @@ def _no_user_backward() -> Iterator[None]:
 # -- the check ------------------------------------------------------------------------
 
 class Checker:
-    """Unpacks every saved tensor of the executed nodes and collects hazards."""
+    """Unpacks every saved tensor of the executed nodes and collects what fails (``findings``)."""
 
     def __init__(self, silent: dict[int, int] | None = None) -> None:
-        self.hazards: list[Finding] = []
+        self.findings: list[Finding] = []
         self.unverifiable: list[tuple[str, str]] = []
         self.checked = 0
         # id(tensor) -> sequence number after its last write that bumped no version.
@@ -190,10 +190,10 @@ class Checker:
                 fn(*grads)  # type: ignore[operator]
             self.checked += 1
         except RuntimeError as e:
-            before = len(self.hazards)
+            before = len(self.findings)
             self._error(i, fn, "fn", None, e)
-            if len(self.hazards) > before and _STRICT.registry:
-                _strict_writes(self.hazards[-1].hazard, input_metadata(fn))
+            if len(self.findings) > before and _STRICT.registry:
+                _strict_writes(self.findings[-1].hazard, input_metadata(fn))
         except Exception:
             self.unverifiable.append((fn.name(), "fn"))
 
@@ -232,7 +232,7 @@ class Checker:
         if kind == "inplace":
             # PyTorch skips its check behind hooks: its words, as it would say them.
             h.torch_message = strict_message(rec, fn, slot)
-        self.hazards.append(Finding(i, len(self.hazards), h, rec))
+        self.findings.append(Finding(i, len(self.findings), h, rec))
 
     def _silent(self, i: int, fn: Node, slot: str, data: Any) -> None:
         if not isinstance(data, torch.Tensor):
@@ -245,7 +245,7 @@ class Checker:
         h = Hazard(kind="silent", node=fn.name(), slot=slot, saved_version=data._version,
                    current_version=data._version, requires_grad=True)
         h.shape, h.dtype, h.device = _shape(data), _dtype(data), str(data.device)
-        self.hazards.append(Finding(i, len(self.hazards), h, data))
+        self.findings.append(Finding(i, len(self.findings), h, data))
 
     def _sequence_each(self, i: int, fn: Node, slot: str, raws: Sequence[Any],
                        saved_attr: str) -> None:
@@ -349,10 +349,10 @@ class Checker:
     def _error(self, i: int, fn: Node, slot: str, raw: Any, err: RuntimeError) -> None:
         """PyTorch's check failed on a slot: the hazard its message describes."""
         msg = str(err)
-        seq = len(self.hazards)
+        nth = len(self.findings)
         if FREED in msg:
             h = Hazard(kind="freed", node=fn.name(), slot=slot, torch_message=msg)
-            self.hazards.append(Finding(i, seq, h, None))
+            self.findings.append(Finding(i, nth, h, None))
             return
         m = VERSION_RE.search(msg)
         if m is None:
@@ -377,13 +377,14 @@ class Checker:
             _describe(h, data)
         else:
             data = self._unseen(h, fn, msg, int(m.group(1)))
-        self.hazards.append(Finding(i, seq, h, data))
+        self.findings.append(Finding(i, nth, h, data))
 
     def _unseen(self, h: Hazard, fn: Node, msg: str, now: int) -> torch.Tensor | None:
         """The stale tensor of a slot whose data the check did not see (None: unknown).
 
-        Here, a slot without data is a CopySlices' or a whole saved list's:
-        nothing more to learn about it.
+        This torch shows a slot's data wherever there is one to show (not for
+        CopySlices, nor for a saved list that failed as a whole): nothing more
+        to learn.
         """
         return None
 
@@ -400,6 +401,7 @@ class BlindChecker(Checker):
     """
 
     def run(self, nodes: Sequence[Node], executed: Sequence[bool] | None = None) -> None:
+        """:meth:`Checker.run`, each slot read through its checked getter."""
         for i, fn, plan in planned(nodes, executed):
             if plan is COPY_SLICES:
                 self._copy_slices(i, fn)

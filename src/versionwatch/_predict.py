@@ -202,12 +202,12 @@ def _predict(
             nodes=count,
             saved_checked=checker.checked,
         )
-        if checker.hazards:
+        if checker.findings:
             report.rank = rank()
             position = _engine.execution_order(graph, executed)
-            checker.hazards.sort(key=lambda f: (position[f.index], f.nth))
+            checker.findings.sort(key=lambda f: (position[f.index], f.nth))
             parents = _engine.parents(graph)
-            for found in checker.hazards:
+            for found in checker.findings:
                 i, h, data = found.index, found.hazard, found.saved
                 h.order = position[i]
                 h.seq = int(graph.nodes[i]._sequence_nr())
