@@ -13,6 +13,7 @@ from versionwatch._torch_messages import BACKWARD_SUFFIX
 
 __all__ = ["fix_for", "op_name", "render_report"]
 
+
 def op_name(node_or_producer: str) -> str:
     """``"SigmoidBackward0"`` or ``"Sigmoid"`` -> ``"sigmoid"``; custom Functions keep theirs."""
     if node_or_producer.endswith("CopySlices"):
