@@ -613,7 +613,9 @@ enum class Read { kOk, kDead, kError };
 // __torch_function__ (a subclass's or a mode's) would see the access.
 Read version_of(PyObject* obj, bool mode, int64_t& out) {
   if (!mode && THPVariable_CheckExact(obj)) {
-    out = THPVariable_Unpack(obj)._version();
+    // What Tensor._version returns (VariableHooks::_version), without the
+    // two calls in between.
+    out = THPVariable_Unpack(obj).unsafeGetTensorImpl()->version_counter().current_version();
     return Read::kOk;
   }
   THPObjectPtr v(PyObject_GetAttrString(obj, "_version"));

@@ -154,11 +154,14 @@ def _locked(path: Path, timeout: float) -> Iterator[bool]:
 def _summary(log: str) -> str:
     """The line of a build log that says what went wrong."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    for pattern in (r"Ninja is required", r"(fatal )?error:", r"not found|No such file",
-                    r"Error|error"):
+    for pattern in (r"Ninja is required", r"(^|: )(fatal )?error:", r"not found|No such file"):
         for ln in lines:
             if re.search(pattern, ln):
                 return ln[:240]
+    # Else the exception that ended the child: a traceback's last line.
+    raised = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception)\b.*:", ln)]
+    if raised:
+        return raised[-1][:240]
     return lines[-1][:240] if lines else "no output"
 
 
@@ -203,6 +206,8 @@ def build(timeout: float = DEFAULT_TIMEOUT, *, force: bool = False,
         log_path = where / "build.log"
         left = max(1.0, timeout - (time.monotonic() - start))
         line, ok = _run_child(name, where, left, log_path, verbose)
+        if line is _TIMED_OUT:
+            line = f"the build took over {timeout:g} s and was stopped (log: {log_path})"
         ok = ok and lib.exists()
         seconds = time.monotonic() - start
         if ok:
@@ -211,6 +216,9 @@ def build(timeout: float = DEFAULT_TIMEOUT, *, force: bool = False,
             line = f"the build ended without {lib.name}"
         failure_path().write_text(line + "\n", encoding="utf-8")
         return BuildResult(False, seconds, line, log_path)
+
+
+_TIMED_OUT = "timed out"
 
 
 def _run_child(name: str, where: Path, timeout: float, log_path: Path,
@@ -240,8 +248,7 @@ def _run_child(name: str, where: Path, timeout: float, log_path: Path,
     if verbose:
         sys.stderr.write(text)
     if timed_out:
-        return (f"the build took over {timeout:.0f} s and was stopped "
-                f"(log: {log_path})"), False
+        return _TIMED_OUT, False
     if proc.returncode != 0:
         return _summary(text), False
     return "", True
