@@ -291,6 +291,25 @@ def test_a_planted_mismatch_disables_the_helper(ext: Any, fresh: pytest.MonkeyPa
     assert ext.check(roots_of([loss]))[2] == 1  # the fault is gone with the variable
 
 
+def test_the_self_test_runs_the_python_predictor(ext: Any, fresh: pytest.MonkeyPatch) -> None:
+    """Once the predictor asks native() for the helper, the self-test's own
+    checks must get None (Python), not wait for the decision they are part of."""
+    real = versionwatch.check
+    seen: list[Any] = []
+
+    def check(*args: Any, **kwargs: Any) -> Any:
+        seen.append(_native.native())
+        return real(*args, **kwargs)
+
+    fresh.setattr(versionwatch, "check", check)
+    done: list[Any] = []
+    thread = threading.Thread(target=lambda: done.append(_native.native()), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert done == [ext], "native() did not return: the self-test waited for itself"
+    assert len(seen) == 12 and all(m is None for m in seen)
+
+
 def test_the_planted_mismatch_through_the_command(ext: Any) -> None:
     out = _cli("native", "status", env=_env(VERSIONWATCH_NATIVE_FAULT="clean"))
     assert out.returncode == 0
@@ -542,3 +561,28 @@ def test_generated_programs_native_against_python_and_pytorch(ext: Any) -> None:
     # saves a list: those go to Python).
     assert tally["clean"] >= 0.15 * N_PROGRAMS and tally["clean (inputs=)"] >= 0.15 * N_PROGRAMS
     assert tally["error"] >= 0.15 * N_PROGRAMS, tally
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_cuda_graphs_and_versions(ext: Any) -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                              torch.nn.ReLU(), torch.nn.Linear(64, 2)).cuda()
+    states = torch.randn(32, 4, device="cuda")
+    actions = torch.randint(0, 2, (32,), device="cuda")
+    q = net(states).gather(1, actions.unsqueeze(1)).squeeze(1)
+    loss = torch.nn.functional.smooth_l1_loss(q, torch.randn(32, device="cuda"))
+    report = versionwatch.check(loss)
+    assert ext.check(roots_of([loss])) == (report.nodes, report.saved_checked, 0) == (17, 12, 0)
+    params = list(net.parameters())
+    vs = ext.VersionSet(params)
+    refs = [weakref.ref(p) for p in params]
+    with torch.no_grad():
+        params[2].add_(1)
+    assert vs.changed() is True and vs.versions() == read_versions(refs)
+    got, _, found = verdict(ext, roots_of([loss]))
+    assert got == "error" and not versionwatch.check(loss).ok
+    assert "is at version" in found[0][3]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

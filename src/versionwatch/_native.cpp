@@ -808,6 +808,12 @@ PyModuleDef module_def = {
 
 PyMODINIT_FUNC VW_CAT(PyInit_, TORCH_EXTENSION_NAME)() {
   using namespace vw;
+#ifdef Py_GIL_DISABLED
+  // The type table and the walk rely on the GIL to keep other threads out.
+  PyErr_SetString(PyExc_ImportError,
+                  "versionwatch's native helper needs a Python with the GIL");
+  return nullptr;
+#endif
   VersionSetType.tp_name = VW_STR(TORCH_EXTENSION_NAME) ".VersionSet";
   VersionSetType.tp_basicsize = sizeof(VersionSet);
   VersionSetType.tp_dealloc = VersionSet_dealloc;

@@ -37,6 +37,9 @@ FAULT_ENV = "VERSIONWATCH_NATIVE_FAULT"  # a test hook: "clean" plants a wrong a
 
 class _State:
     tried = False
+    # True while a decision is being made: its self-test runs the predictor,
+    # which must then take its Python path (and not wait for this decision).
+    deciding = False
     module: Any = None
     line = ""
     graphs = 0
@@ -60,9 +63,11 @@ def native() -> Any | None:
     """
     if _STATE.tried:
         return _STATE.module
+    if _STATE.deciding:
+        return None
     with _LOCK:
         if not _STATE.tried:
-            _load(allow_build=True)
+            _decide(allow_build=True)
     return _STATE.module
 
 
@@ -72,9 +77,11 @@ def status() -> str:
         mode()
     except ValueError as e:
         return f"error: {e}"
+    if _STATE.deciding:
+        return "deciding: the native helper is being loaded or built"
     with _LOCK:
         if not _STATE.tried:
-            _load(allow_build=False)
+            _decide(allow_build=False)
         return _STATE.line
 
 
@@ -85,6 +92,15 @@ def _reset() -> None:
         _STATE.module = None
         _STATE.line = ""
         _STATE.graphs = 0
+
+
+def _decide(allow_build: bool) -> None:
+    """:func:`_load`, flagged as under way (call it holding ``_LOCK``)."""
+    _STATE.deciding = True
+    try:
+        _load(allow_build)
+    finally:
+        _STATE.deciding = False
 
 
 def _load(allow_build: bool) -> None:
@@ -186,7 +202,7 @@ def command(action: str, timeout: float = _native_build.DEFAULT_TIMEOUT,
         print(status())
         return 0
     with _LOCK:
-        _load(allow_build=False)
+        _decide(allow_build=False)
         line = _STATE.line
     print(line)
     return 0 if _STATE.module is not None else 1
