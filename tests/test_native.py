@@ -344,6 +344,44 @@ def test_the_engine_gap_detached_in_place(ext: Any) -> None:
         out.backward()
 
 
+class _ClearsOnAccess(torch.autograd.Function):
+    clear_saved_tensors_on_access = True
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a)
+        return a * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (a,) = ctx.saved_tensors
+        return g * a
+
+
+clears_on_access = pytest.mark.skipif(
+    not hasattr(torch.autograd.Function, "clear_saved_tensors_on_access"),
+    reason="no clear_saved_tensors_on_access in this torch")
+
+
+@clears_on_access
+def test_clear_saved_tensors_on_access_is_left_untouched(ext: Any) -> None:
+    a = torch.ones(3, requires_grad=True)
+    out = _ClearsOnAccess.apply(a * 1).sum()  # type: ignore[no-untyped-call]
+    assert ext.explain(roots_of([out])) == [
+        ("_ClearsOnAccessBackward", "saved_tensors", "unsure", "clear_saved_tensors_on_access")]
+    out.backward()  # the saved tensors are still there
+
+
+@clears_on_access
+@pytest.mark.xfail(strict=True, reason="the Python predictor reads ctx.saved_tensors, which "
+                   "clears them when clear_saved_tensors_on_access=True: the backward then raises")
+def test_python_predictor_leaves_clear_on_access_saved_tensors() -> None:
+    a = torch.ones(3, requires_grad=True)
+    out = _ClearsOnAccess.apply(a * 1).sum()  # type: ignore[no-untyped-call]
+    assert versionwatch.check(out).ok
+    out.backward()
+
+
 def test_check_rejects_what_is_not_nodes(ext: Any) -> None:
     with pytest.raises(TypeError, match="roots must be a sequence"):
         ext.check(5)
