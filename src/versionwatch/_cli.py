@@ -26,7 +26,8 @@ versionwatch run [--on-hazard raise|warn|log|repair] [--json PATH] [--dot PATH] 
                  [--quiet] [--strict] [--stop-at-write] [--replay]
                  (SCRIPT | -m MODULE) [ARGS...]
 versionwatch merge [--json PATH] REPORT...
-versionwatch demo"""
+versionwatch demo
+versionwatch native (build [--timeout SECONDS] [--force] [--verbose] | status)"""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,6 +76,17 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("reports", nargs="+", metavar="REPORT", help="per-rank JSON reports")
     merge.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     sub.add_parser("demo", help="the seed story in four steps (seconds, on a CPU)")
+    native = sub.add_parser(
+        "native", help="build the optional native helper, or say whether it is in use",
+        description="The optional native helper speeds up the default mode's checks; "
+        "without it everything runs in Python with the same results (docs/native.md).")
+    native_sub = native.add_subparsers(dest="action", required=True)
+    build = native_sub.add_parser("build", help="compile it against this torch (a minute or so)")
+    build.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
+                       help="stop the build after this long (default: 900)")
+    build.add_argument("--force", action="store_true", help="build again even if built")
+    build.add_argument("--verbose", action="store_true", help="show the build's log")
+    native_sub.add_parser("status", help="one line: loaded, not built, or disabled and why")
     return p
 
 
@@ -444,6 +456,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     if args.command == "merge":
         return _merge(args)
+    if args.command == "native":
+        from versionwatch._native import command
+
+        return command(args.action, getattr(args, "timeout", 900.0),
+                       getattr(args, "force", False), getattr(args, "verbose", False))
     if args.command == "demo":
         from versionwatch._demo import main as demo
 
