@@ -3,7 +3,7 @@
 #
 #   bash tools/gpu_check.sh [REPO]  REPO: a versionwatch checkout (default: the current folder)
 #
-# Runs `python -m pytest -q tests/test_cuda.py tests/test_repair.py -k cuda` with REPO's
+# Runs `python -m pytest -q tests/test_cuda.py tests/test_repair.py tests/test_native.py -k cuda` with REPO's
 # src/ first on the path, under a 270 s limit (the whole script stays under 5 minutes),
 # then prints a summary: the GPU, torch, and each test's outcome (skips with their reason;
 # the NCCL test needs 2 GPUs and skips on one). The log and a JUnit XML go to $OUT when it
@@ -58,7 +58,7 @@ start=$(date +%s)
 set -o pipefail
 timeout -k 10 "$LIMIT" "$PY" -m pytest -q -p no:cacheprovider -rfEs \
     --junitxml="$DEST/gpu_check.xml" \
-    tests/test_cuda.py tests/test_repair.py -k cuda 2>&1 | tee "$DEST/gpu_check.log"
+    tests/test_cuda.py tests/test_repair.py tests/test_native.py -k cuda 2>&1 | tee "$DEST/gpu_check.log"
 rc=$?
 set +o pipefail
 elapsed=$(( $(date +%s) - start ))
