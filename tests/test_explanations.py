@@ -667,3 +667,182 @@ def test_compiled_actor_critic_fix_applied(tmp_path):
                         "(critic_loss + actor_loss).backward()\ncritic_opt.step()")), tmp_path)
     for (n, a), b in zip(fixed["net"].named_parameters(), eager["net"].parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-6), n
+
+
+# -- the fix follows the facts (what the watcher will hand over) -------------------------
+
+def _freed(**facts: Any) -> Any:
+    from versionwatch._report import Hazard, Modification, Site
+
+    return Hazard(kind="freed", node="AddmmBackward0", slot="mat1",
+                  freed_by=Modification("backward", "backward #1", Site("prog.py", 16)),
+                  **facts)
+
+
+def test_fix_from_facts_gan_detaches_in_the_first_loss_and_says_why_retain_works():
+    from versionwatch._explain import fix_for
+    from versionwatch._report import Between, Carrier, Forward, Modification, Site
+
+    h = _freed(carried_by="fake", carrier=Carrier(
+        "fake", Site("prog.py", 14, "fake = G(z)"), "G", "input",
+        Forward("D.forward #4", Site("prog.py", 17), "D"), Site("prog.py", 15), True),
+        between=Between((Modification("optimizer.step", "Adam[1].step() #1", Site("prog.py", 16)),
+                         Modification("zero_grad", "Adam.zero_grad()", Site("prog.py", 18))),
+                        changes_saved=False, discards_grad=True))
+    fix = fix_for(h)
+    assert fix.startswith("detach `fake` in the loss of backward #1 (at prog.py:16): "
+                          "`D(fake.detach())` at prog.py:15, so that that loss trains D only")
+    assert "retain_graph=True on backward #1 (at prog.py:16) also works here" in fix
+    assert "truncated" not in fix
+    # A step that changed G's saved weights: retain_graph=True is then no fix.
+    h.between = Between(h.between.events, changes_saved=True, discards_grad=True)
+    assert "retain_graph=True on backward #1 (at prog.py:16) would fail instead" in fix_for(h)
+
+
+def test_fix_from_facts_data_is_detached_where_it_is_made():
+    from versionwatch._explain import fix_for
+    from versionwatch._report import Carrier, Site
+
+    made = Site("prog.py", 11, "advantages = returns - critic(obs).squeeze(-1)")
+    fix = fix_for(_freed(carried_by="advantages",
+                         carrier=Carrier("advantages", made, "critic", "data", trained=False)))
+    assert fix.startswith("`advantages` is computed once at prog.py:11 and reused as data")
+    assert "no optimizer steps critic's parameters" in fix
+    assert "`advantages = (returns - critic(obs).squeeze(-1)).detach()` at prog.py:11" in fix
+    call = Site("prog.py", 10, "soft_targets = teacher(x).softmax(-1)")
+    fix = fix_for(_freed(carried_by="soft_targets",
+                         carrier=Carrier("soft_targets", call, "teacher", "data", trained=False)))
+    assert "`soft_targets = teacher(x).softmax(-1).detach()` at prog.py:10" in fix
+
+
+def test_fix_from_facts_two_losses():
+    from versionwatch._explain import fix_for
+    from versionwatch._report import Between, Carrier, Modification, Site
+
+    out = Carrier("out", Site("prog.py", 9, "out = net(x)"), "net", "data", trained=True)
+    fix = fix_for(_freed(carried_by="out", carrier=out,
+                         between=Between((), changes_saved=False, discards_grad=False)))
+    assert fix.startswith("pass retain_graph=True to backward #1 (at prog.py:16): both losses")
+    step = Modification("optimizer.step", "SGD.step() #1", Site("prog.py", 12), (1, 2))
+    fix = fix_for(_freed(carried_by="out", carrier=out,
+                         between=Between((step,), changes_saved=True, discards_grad=False)))
+    assert fix.startswith("SGD.step() #1 at prog.py:12 (version 1 -> 2) between the two "
+                          "backwards changes what the graph behind `out` saved, so "
+                          "retain_graph=True would only make this backward fail")
+    # The same graph run twice, with nothing between: retain_graph=True, sure.
+    fix = fix_for(_freed(between=Between((), changes_saved=False)))
+    assert fix.startswith("pass retain_graph=True to backward #1 (at prog.py:16): nothing")
+
+
+def test_fix_from_facts_state_is_truncated_bptt_and_unknown_is_a_choice():
+    from versionwatch._explain import fix_for
+    from versionwatch._report import Carrier
+
+    fix = fix_for(_freed(carried_by="h", carrier=Carrier("h", role="state")))
+    assert fix.startswith("detach `h` carried from one iteration to the next once its "
+                          "backward has run: `h = h.detach()`")
+    # Nothing known but the variable: each fix, with what it does, none of them sure.
+    fix = fix_for(_freed(carried_by="h"))
+    assert fix.startswith("`h` carries the graph that backward #1 (at prog.py:16) freed into "
+                          "this backward; the fix depends on what it is:")
+    for choice in ("`h = h.detach()`", "`.detach()` it where it is made",
+                   "`D(fake.detach())`", "retain_graph=True on backward #1"):
+        assert choice in fix
+
+
+def test_fix_from_facts_module_write_sets_inplace_false_where_it_was_built():
+    from versionwatch._explain import fix_for, render_report
+    from versionwatch._report import Hazard, Modification, Report, Site, Writer
+
+    built = Site("prog.py", 6, "clf = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), ...)")
+    write = Modification("inplace_op", "dropout_()", Site("prog.py", 9, "loss = f(clf(x), y)"),
+                         writer=Writer("clf.2", "Dropout(p=0.5, inplace=True)", built))
+    h = Hazard(kind="inplace", node="ReluBackward0", slot="result", saved_version=0,
+               current_version=1, producer="Relu", saved_output=True, modified_by=[write],
+               shape=(4, 16), dtype="float32")
+    h.fix = fix_for(h)
+    assert h.fix == ("`inplace=False` on clf.2 (Dropout(p=0.5, inplace=True)), built at "
+                     "prog.py:6 (`clf = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), ...)`): its "
+                     "forward overwrites the output of `relu` in place, and backward needs it "
+                     "as it was")
+    text = render_report(Report(hazards=[h]))
+    assert "  modified by  dropout_() in clf.2 (Dropout(p=0.5, inplace=True)), called at " \
+           "prog.py:9\n" in text
+    d = h.to_dict()["modified_by"][0]
+    assert d["writer"] == {"module": "clf.2", "repr": "Dropout(p=0.5, inplace=True)",
+                           "file": "prog.py", "line": 6}
+    assert h.to_dict()["variable"] is None  # the call line names no variable
+
+
+def test_json_of_the_new_facts_round_trips():
+    from versionwatch._report import Between, Carrier, Forward, Modification, Report, Site
+
+    h = _freed(carried_by="fake", saved_during="G.forward #1 at prog.py:14",
+               carrier=Carrier("fake", Site("prog.py", 14, "fake = G(z)"), "G", "input",
+                               Forward("D.forward #4", Site("prog.py", 17), "D"),
+                               Site("prog.py", 15, "d = D(fake)"), True),
+               between=Between((Modification("zero_grad", "Adam.zero_grad()",
+                                             Site("prog.py", 18)),), False, True))
+    d = Report(hazards=[h]).to_dict()["hazards"][0]
+    assert json.loads(json.dumps(d)) == d
+    assert d["saved_forward"] == {"forward": "G.forward #1", "file": "prog.py", "line": 14,
+                                  "module": "G"}
+    assert d["carrier"] == {
+        "name": "fake", "file": "prog.py", "line": 14, "code": "fake = G(z)", "module": "G",
+        "role": "input", "fed_to": {"forward": "D.forward #4", "file": "prog.py", "line": 17,
+                                    "module": "D"},
+        "entered": {"file": "prog.py", "line": 15, "code": "d = D(fake)"}, "trained": True}
+    assert d["between"] == {"events": [{"kind": "zero_grad", "description": "Adam.zero_grad()",
+                                        "file": "prog.py", "line": 18}],
+                            "changes_saved": False, "discards_grad": True}
+    assert d["compiled_forward"] is None
+
+
+# -- replay matching, by identity -------------------------------------------------------
+
+def _replayed(child: dict[str, Any], **mine: Any) -> Any:
+    from versionwatch._replay import merge
+    from versionwatch._report import Hazard, Report
+
+    facts = dict(kind="inplace", node="NativeLayerNormBackward0", slot="input", saved_version=1,
+                 current_version=2, shape=(2, 5, 8), dtype="float32", producer="Add")
+    facts.update(mine)
+    report = Report(hazards=[Hazard(**facts)], backward=1)
+    merge(report, {"hazards": [child]}, "")
+    return report
+
+
+CHILD = {"kind": "inplace", "saved_by": "NativeLayerNormBackward0", "slot": "input",
+         "saved_version": 1, "current_version": 2, "shape": [2, 5, 8], "dtype": "float32",
+         "tensor": "a tensor, float32[2, 5, 8]", "backward": 1, "order": 0,
+         "saved_at": {"file": "prog.py", "line": 16, "code": "x += self.ff2(self.n2(x))"},
+         "modified_by": [{"kind": "inplace_op", "description": "+=", "file": "prog.py",
+                          "line": 16}]}
+
+
+def test_replay_matches_whatever_each_mode_calls_the_tensor(tmp_path, monkeypatch):
+    # The write's code is read from the program, as the JSON has only its line.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prog.py").write_text("\n" * 15 + "        x += self.ff2(self.n2(x))\n")
+    report = _replayed(CHILD)
+    assert report.replay.endswith("which met the same hazard at backward #1")
+    h = report.hazards[0]
+    assert h.saved_at.line == 16 and h.user_variable() == "x"
+    assert h.fix.startswith("write `x = x + self.ff2(self.n2(x))` instead of")
+
+
+@pytest.mark.parametrize("field, value", [("saved_version", 0), ("current_version", 3),
+                                          ("shape", [2, 5, 9]), ("dtype", "float16"),
+                                          ("slot", "weight"), ("backward", 2)])
+def test_replay_with_another_identity_diverged(field, value):
+    report = _replayed({**CHILD, field: value})
+    assert report.replay.startswith("not reproduced: the strict replay diverged at backward #1: "
+                                    "this run's first hazard there is "
+                                    "NativeLayerNormBackward0.input (float32[2, 5, 8], "
+                                    "version 1 -> 2), the replay's is ")
+    assert report.hazards[0].saved_at is None
+
+
+def test_replay_fact_unknown_on_one_side_is_no_difference():
+    report = _replayed({**CHILD, "shape": None, "dtype": None})
+    assert report.replay.endswith("which met the same hazard at backward #1")

@@ -18,7 +18,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 HazardKind = Literal["inplace", "freed", "silent"]
@@ -443,7 +443,12 @@ class Hazard:
         d["shape"] = list(self.shape) if self.shape is not None else None
         d["saved_by"] = self.node
         d["saved_at"] = _site(self.saved_at)
-        d["saved_forward"] = _forward(self.saved_forward or parse_forward(self.saved_during))
+        forward = self.saved_forward or parse_forward(self.saved_during)
+        if forward is not None and forward.module is None and self.module:
+            # One watched root labels its forwards "forward #N": the root is the
+            # module's first name ("model" of strict mode's innermost "model.2").
+            forward = replace(forward, module=self.module.split(".", 1)[0])
+        d["saved_forward"] = _forward(forward)
         d["variable"] = self.user_variable()
         f = self.freed_by
         d["freed_by"] = None if f is None else {
