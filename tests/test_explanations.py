@@ -96,7 +96,9 @@ def run(name: str, mode: str, tmp_path_factory: pytest.TempPathFactory) -> Run:
                 status = main(["run", *MODES[mode], "--json", "out.json", "prog.py"])
         finally:
             os.chdir(here)
-        said = err.getvalue()
+        # A process group left by another test makes torch prefix every line of an
+        # uncaught error with "[rank0]: ".
+        said = re.sub(r"(?m)^\[rank\d+\]: ", "", err.getvalue())
         text = said.split(REPLAYED, 1)[1] if mode == "replay" and REPLAYED in said else said
         text = text[text.find("versionwatch: backward"):] if "versionwatch: backward" in text \
             else text

@@ -1,5 +1,6 @@
 """Not deterministic: the replay finds a marker file and takes another branch."""
 import os
+
 import torch
 
 first = not os.path.exists("marker")

@@ -7,7 +7,7 @@ gen = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))
 disc = nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 1))
 opt_g = torch.optim.SGD(gen.parameters(), lr=0.01)
 opt_d = torch.optim.SGD(disc.parameters(), lr=0.01)
-for it in range(3):
+for _ in range(3):
     real = torch.randn(16, 2)
     noise = torch.randn(16, 8)
     samples = gen(noise)

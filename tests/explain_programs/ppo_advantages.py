@@ -9,7 +9,7 @@ opt = torch.optim.Adam(actor.parameters(), lr=3e-4)
 obs, actions = torch.randn(64, 4), torch.randint(0, 2, (64,))
 returns = torch.randn(64)
 advantages = returns - critic(obs).squeeze(-1)
-for epoch in range(4):
+for _epoch in range(4):
     logp = actor(obs).log_softmax(-1).gather(1, actions[:, None]).squeeze(-1)
     loss = -(logp * advantages).mean()
     opt.zero_grad()

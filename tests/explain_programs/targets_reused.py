@@ -8,7 +8,7 @@ student = nn.Sequential(nn.Linear(4, 3))
 opt = torch.optim.SGD(student.parameters(), lr=0.1)
 x = torch.randn(32, 4)
 soft_targets = teacher(x).softmax(-1)
-for step in range(3):
+for _step in range(3):
     loss = -(soft_targets * student(x).log_softmax(-1)).sum(-1).mean()
     opt.zero_grad()
     loss.backward()
