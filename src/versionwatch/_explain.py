@@ -424,9 +424,9 @@ def _freed_facts(h: Hazard, report: Report) -> list[tuple[str, str]]:
                                     "backward, and reaches into the freed graph through it"))
     b = h.between
     if b is not None:
-        events = ", ".join(str(m) for m in b.events) if b.events else "nothing"
-        facts.append(("between", f"{events} (between the backward that freed the graph "
-                                 "and this one)"))
+        events = ", ".join(str(m) for m in b.events) if b.events else "nothing ran"
+        after = f.description if f is not None else "the backward that freed the graph"
+        facts.append(("between", f"{events} (after {after}, before this backward)"))
     return facts
 
 
