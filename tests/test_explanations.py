@@ -619,11 +619,13 @@ def compiles() -> None:
 def test_compiled_actor_critic_says_a_compiled_region_saved_it(mode, tmp_path_factory):
     r = run("compiled_ac", mode, tmp_path_factory)
     step = line("compiled_ac", "critic_opt.step()")
-    assert r.h["tensor"] == "cnet.trunk.2.weight" and r.h["saved_by"] == "CompiledFunctionBackward"
+    # Which stepped weight the compiled graph meets first depends on the torch release.
+    stepped = {f"cnet.{n}" for n in ("trunk.0.weight", "trunk.2.weight", "critic.weight")}
+    assert r.h["tensor"] in stepped and r.h["saved_by"] == "CompiledFunctionBackward"
     assert r.fact("saved by").startswith(
-        "a compiled region (CompiledFunctionBackward.saved_tensors[1]")
+        "a compiled region (CompiledFunctionBackward.saved_tensors")
     assert r.fact("modified by").startswith(f"SGD.step() #1 at prog.py:{step}")
-    assert r.h["fix"].startswith("run every backward that needs cnet.trunk.2.weight before "
+    assert r.h["fix"].startswith(f"run every backward that needs {r.h['tensor']} before "
                                  "optimizer.step()")
     if mode == "replay":
         assert "which met the same hazard at backward" in r.h["replay"]
@@ -848,3 +850,13 @@ def test_replay_with_another_identity_diverged(field, value):
 def test_replay_fact_unknown_on_one_side_is_no_difference():
     report = _replayed({**CHILD, "shape": None, "dtype": None})
     assert report.replay.endswith("which met the same hazard at backward #1")
+
+
+def test_replay_slot_without_an_index_is_the_same_slot():
+    """Old torch reads a compiled or custom Function's saved tensors as a whole in default
+    mode (``saved_tensors``); strict mode's record knows the index (``saved_tensors[0]``)."""
+    child = {**CHILD, "saved_by": "CompiledFunctionBackward", "slot": "saved_tensors[0]"}
+    report = _replayed(child, node="CompiledFunctionBackward", slot="saved_tensors")
+    assert report.replay.endswith("which met the same hazard at backward #1")
+    report = _replayed(child, node="CompiledFunctionBackward", slot="saved_tensors[1]")
+    assert report.replay.startswith("not reproduced: the strict replay diverged")
