@@ -5,8 +5,9 @@ backward, but not the lines: the op that saved the tensor and the write that
 changed it. Replay runs the same command again in a child process in strict
 mode, stops it at the same backward (by number), and merges what strict mode
 saw into the first run's report, after checking that the child met the same
-hazard there (same tensor, node and slot). The program runs twice, with its
-side effects: the docs say so, and it is opt-in.
+hazard there: the same backward, node, slot, shape, dtype and versions (never
+the words that describe the tensor, which differ between the modes). The
+program runs twice, with its side effects: the docs say so, and it is opt-in.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from typing import Any
 
-from versionwatch._report import Hazard, Modification, Report, Site
+from versionwatch._explain import fix_for
+from versionwatch._report import Hazard, Modification, Report, Site, Writer
 
 # The child's own option: stop at backward N and write its report to PATH.
 CHILD_OPTION = "--replay-child"
@@ -83,9 +86,63 @@ def run_child(command: list[str], backward: int) -> tuple[dict[str, Any] | None,
         os.unlink(path)
 
 
-def _same(h: Hazard, c: dict[str, Any]) -> bool:
-    return (c.get("saved_by") == h.node and c.get("slot") == h.slot
-            and c.get("tensor") == (h.tensor or h.describe_tensor()))
+def _identity(h: Hazard) -> dict[str, Any]:
+    """What identifies a hazard at one backward, in the JSON's terms: never its wording."""
+    return {"kind": h.kind, "saved_by": h.node, "slot": h.slot,
+            "shape": list(h.shape) if h.shape is not None else None, "dtype": h.dtype,
+            "saved_version": h.saved_version, "current_version": h.current_version}
+
+
+def _same(h: Hazard, c: dict[str, Any], backward: int | None = None) -> bool:
+    """Whether the replay's hazard ``c`` is ``h``: backward, node, slot, shape, dtype, versions.
+
+    Descriptions differ between the modes (default mode reads "the output of
+    Add" from PyTorch's sentence, strict mode may know only "a tensor", or the
+    user's variable), so they are never compared; a fact one side does not
+    know (``None``) is no difference.
+    """
+    if backward is not None and c.get("backward") not in (None, backward):
+        return False
+    for key, mine in _identity(h).items():
+        theirs = c.get(key)
+        if key == "slot":
+            if not _same_slot(mine, theirs):
+                return False
+        elif key in ("saved_by", "kind"):
+            if theirs != mine:
+                return False
+        elif mine is not None and theirs is not None and theirs != mine:
+            return False
+    return True
+
+
+def _same_slot(a: str, b: Any) -> bool:
+    """``"saved_tensors"`` is ``"saved_tensors[0]"`` with the index unknown (old torch
+    reads a custom or compiled Function's saved tensors as a whole in default mode)."""
+    if not isinstance(b, str):
+        return False
+    return a == b or b.startswith(a + "[") or a.startswith(b + "[")
+
+
+def _twin(h: Hazard, hazards: list[dict[str, Any]], backward: int | None
+          ) -> dict[str, Any] | None:
+    """The replay's hazard that is ``h``; among equals (two layers' weights of one shape),
+    the one at the same place in the backward's order, else of the same name."""
+    found = [c for c in hazards if _same(h, c, backward)]
+    return next((c for c in found if c.get("order") == h.order),
+                next((c for c in found if h.tensor and c.get("tensor") == h.tensor),
+                     found[0] if found else None))
+
+
+def _described(d: dict[str, Any]) -> str:
+    """``NativeLayerNormBackward0.input (float32[2, 5, 8], version 1 -> 2)``."""
+    where = f"{d.get('saved_by')}.{d.get('slot')}" if d.get("slot") else f"{d.get('saved_by')}"
+    facts = []
+    if d.get("dtype") is not None and d.get("shape") is not None:
+        facts.append(f"{d['dtype']}{list(d['shape'])}")
+    if d.get("saved_version") is not None:
+        facts.append(f"version {d['saved_version']} -> {d.get('current_version')}")
+    return f"{where} ({', '.join(facts)})" if facts else where
 
 
 def _site(d: dict[str, Any] | None) -> Site | None:
@@ -93,6 +150,12 @@ def _site(d: dict[str, Any] | None) -> Site | None:
         return None
     code = d.get("code") or _source_line(d["file"], d["line"])
     return Site(d["file"], d["line"], code)
+
+
+def _writer(d: dict[str, Any] | None) -> Writer | None:
+    if not d or not d.get("module"):
+        return None
+    return Writer(d["module"], d.get("repr") or "", _site(d))
 
 
 def _source_line(file: str, line: int) -> str:
@@ -122,13 +185,27 @@ def merge(report: Report, child: dict[str, Any] | None, why: str) -> None:
                              "enough to replay (seed it, fix its data order), or run it with "
                              "--strict")
         return
-    c = hazards[0]
-    if not _same(h, c):
-        report.replay = (f"not reproduced: the strict replay met another hazard at backward "
-                         f"#{n} ({c.get('saved_by')}.{c.get('slot')} on {c.get('tensor')}); the "
-                         "program is not deterministic enough to replay, run it with --strict")
+    c = _twin(h, hazards, n)
+    if c is None:
+        mine = _described({**_identity(h)})
+        theirs = _described(hazards[0])
+        report.replay = (f"not reproduced: the strict replay diverged at backward #{n}: this "
+                         f"run's first hazard there is {mine}, the replay's is {theirs}; the "
+                         "program is not deterministic enough to replay (seed it, fix its "
+                         "data order), or run it with --strict")
         return
-    # The same hazard: strict mode's lines are this run's.
+    _fill(h, c)
+    # The other hazards of this backward, each with its own twin if the replay has one.
+    for other in report.hazards[1:]:
+        twin = _twin(other, hazards, n)
+        if twin is not None:
+            _fill(other, twin)
+    report.replay = (f"the lines above come from a strict replay of the same command, "
+                     f"which met the same hazard at backward #{n}")
+
+
+def _fill(h: Hazard, c: dict[str, Any]) -> None:
+    """The same hazard: strict mode's lines (and facts) are this run's."""
     h.saved_at = _site(c.get("saved_at")) or h.saved_at
     h.module = c.get("module") or h.module
     # Strict mode records a step's writes as the step (kind "inplace_op"): one
@@ -140,18 +217,21 @@ def merge(report: Report, child: dict[str, Any] | None, why: str) -> None:
             continue
         event = seen.get(m["description"])
         site = _site(m)
+        writer = _writer(m.get("writer"))
         if event is not None:
             writes.append(Modification(event.kind, event.description, site or event.site,
-                                       event.versions))
+                                       event.versions, writer=writer))
         else:
-            writes.append(Modification(m["kind"], m["description"], site, None))
+            writes.append(Modification(m["kind"], m["description"], site, None,
+                                       writer=writer))
     if writes:
         versions = [m.versions for m in h.modified_by if m.versions]
         if len(writes) == 1 and len(versions) == 1 and writes[0].versions is None:
-            writes[0] = Modification(writes[0].kind, writes[0].description, writes[0].site,
-                                     versions[0])
+            writes[0] = replace(writes[0], versions=versions[0])
         h.modified_by = writes
+    # Facts only strict mode knows.
+    h.variable = h.variable or c.get("variable")
+    h.compiled_forward = h.compiled_forward or _site(c.get("compiled_forward"))
     # The hints that point at --replay: it ran.
     h.notes = [note for note in h.notes if "`versionwatch run --replay ...`" not in note]
-    report.replay = (f"the lines above come from a strict replay of the same command, "
-                     f"which met the same hazard at backward #{n}")
+    h.fix = fix_for(h)  # the lines may make it concrete (the write's own line, its module)

@@ -13,10 +13,12 @@ themselves in :data:`RENDERERS` when they load, and ``str(report)`` and
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 HazardKind = Literal["inplace", "freed", "silent"]
@@ -110,12 +112,38 @@ class Site:
 
 
 @dataclass(frozen=True)
+class Writer:
+    """The module whose ``forward`` made an in-place write (strict mode).
+
+    A write inside a library module's forward (``nn.Dropout(inplace=True)``
+    calls ``F.dropout(..., inplace=True)``) has no line of the user's own: the
+    module is what the user wrote, and where they built it is where to fix it.
+
+    Attributes:
+        module: its qualified name, as the report names tensors (``"clf.2"``).
+        text: its ``repr()``, which shows how it was built
+            (``"Dropout(p=0.5, inplace=True)"``).
+        built_at: the user's line that constructed it, when it can be found.
+    """
+
+    module: str
+    text: str = ""
+    built_at: Site | None = None
+
+    def __str__(self) -> str:
+        return f"{self.module} ({self.text})" if self.text else self.module
+
+
+@dataclass(frozen=True)
 class Modification:
     """One event that moved a tensor's version between its save and the backward.
 
     ``kind`` is ``"optimizer.step"``, ``"inplace_op"`` (strict mode: the exact
     write), ``"between_events"``, ``"module_forward"`` or ``"backward"`` (a hook
-    or custom Function that wrote during a backward).
+    or custom Function that wrote during a backward). ``writer``: for an
+    ``inplace_op`` made inside a module's ``forward``, that module (then
+    ``site`` is the user's line that called it); ``None`` when the write is the
+    user's own line, or unknown.
     """
 
     kind: str
@@ -124,18 +152,132 @@ class Modification:
     versions: tuple[int, int] | None = None
     # For "between_events": the two events around the change, (label, site) each.
     bounds: tuple[tuple[str, Site | None], tuple[str, Site | None]] | None = None
+    writer: Writer | None = None
 
     def __str__(self) -> str:
         text = self.description
-        if self.site is not None:
+        if self.writer is not None:
+            text += f" in {self.writer}"
+            if self.site is not None:
+                text += f", called at {self.site}"
+        elif self.site is not None:
             text += f" at {self.site}"
         if self.versions is not None:
             text += f" (version {self.versions[0]} -> {self.versions[1]})"
         return text
 
 
+@dataclass(frozen=True)
+class Forward:
+    """A watched forward: its label (``"block.forward #1"``), the user's line that called it,
+    and the watched module it ran (``"block"``), when known."""
+
+    label: str
+    site: Site | None = None
+    module: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.label} at {self.site}" if self.site is not None else self.label
+
+
+# "block.forward #1 at prog.py:24" (a label ends with its number, maybe a thread).
+_FORWARD_TEXT = re.compile(r"^(?P<label>.*?#\d+(?: on thread .*?)?) at (?P<file>.+):(?P<line>\d+)$")
+
+
+def parse_forward(text: str | None) -> Forward | None:
+    """The forward of a ``saved_during`` text, ``"m.forward #2 at train.py:12"``.
+
+    >>> f = parse_forward("m.forward #2 at train.py:12")
+    >>> f.label, f.site.file, f.site.line
+    ('m.forward #2', 'train.py', 12)
+    >>> parse_forward("forward #1").site is None
+    True
+    """
+    if not text:
+        return None
+    m = _FORWARD_TEXT.match(text)
+    label, site = (text, None) if m is None else (m["label"], Site(m["file"], int(m["line"])))
+    root, sep, _ = label.rpartition(".forward #")
+    return Forward(label, site, root if sep else None)
+
+
+@dataclass(frozen=True)
+class Carrier:
+    """What carried a freed graph into this backward's graph (a ``freed`` hazard).
+
+    The fix for "backward through the graph a second time" depends on what
+    that tensor is to the program; each fact is ``None`` where unknown, and the
+    fix is then worded as a choice.
+
+    Attributes:
+        name: the user's variable holding it (``"fake"``), ``""`` if none shows it.
+        site: the user's line that made it (``fake = G(z)``), when known.
+        module: the watched module whose forward made it (``"G"``), when known.
+        role: ``"state"``: state carried from one iteration to the next and fed
+            back into the forward that made it (``h = rnn(x, h)``): truncated
+            backpropagation through time; ``"input"``: fed to another module's
+            forward after the freeing backward (a GAN's ``D(fake)``), whose loss
+            should still train what made it; ``"data"``: used as a constant
+            (advantages, targets), through which no gradient is meant to flow.
+        fed_to: for ``"input"``: the later forward it was fed to.
+        entered: for ``"input"``: where it entered the graph that the freeing
+            backward went through (the first loss's ``D(fake)``).
+        trained: whether a watched optimizer steps the parameters of ``module``.
+    """
+
+    name: str = ""
+    site: Site | None = None
+    module: str | None = None
+    role: Literal["state", "input", "data"] | None = None
+    fed_to: Forward | None = None
+    entered: Site | None = None
+    trained: bool | None = None
+
+
+@dataclass(frozen=True)
+class Between:
+    """What ran between the backward that freed a graph and this backward.
+
+    Attributes:
+        events: the steps, ``zero_grad`` calls and writes between them, in order
+            (each as a :class:`Modification`); empty when nothing ran.
+        changes_saved: a step or write changed a tensor the freed graph saved:
+            ``retain_graph=True`` on the freeing backward would then end in
+            "modified by an inplace operation" here. ``None``: unknown.
+        discards_grad: a ``zero_grad`` discarded the gradients that the freeing
+            backward left in the parameters of the freed graph (a GAN's D loss
+            reaching into G). ``None``: unknown.
+    """
+
+    events: tuple[Modification, ...] = ()
+    changes_saved: bool | None = None
+    discards_grad: bool | None = None
+
+
 def _site(site: Site | None) -> dict[str, Any] | None:
     return None if site is None else {"file": site.file, "line": site.line, "code": site.code}
+
+
+def _modification(m: Modification) -> dict[str, Any]:
+    w = m.writer
+    return {
+        "kind": m.kind,
+        "description": m.description,
+        "file": m.site.file if m.site else None,
+        "line": m.site.line if m.site else None,
+        **({"versions": list(m.versions)} if m.versions else {}),
+        **({"after": _event(m.bounds[0]), "before": _event(m.bounds[1])} if m.bounds else {}),
+        **({"writer": {"module": w.module, "repr": w.text,
+                       "file": w.built_at.file if w.built_at else None,
+                       "line": w.built_at.line if w.built_at else None}} if w else {}),
+    }
+
+
+def _forward(f: Forward | None) -> dict[str, Any] | None:
+    if f is None:
+        return None
+    return {"forward": f.label, "file": f.site.file if f.site else None,
+            "line": f.site.line if f.site else None, "module": f.module}
 
 
 def _event(bound: tuple[str, Site | None]) -> dict[str, Any]:
@@ -184,6 +326,18 @@ class Hazard:
         torch_message: PyTorch's own error for this tensor, verbatim, as the
             running torch words it (``None`` where PyTorch raises nothing: a
             ``silent`` hazard, or a write stopped before it happened).
+        saved_forward: the forward of ``saved_during`` as a structured
+            location; when unset, read from ``saved_during``'s text.
+        variable: the user's variable for an unnamed saved tensor (``"x"``);
+            when unset, read from the write's line (``x += ...``) or, for a
+            saved output, from the line that made it (``h = x.sigmoid()``).
+        carrier: for ``freed`` with ``carried_by``: what that tensor is to the
+            program (:class:`Carrier`), as far as a watcher knows.
+        between: for ``freed``: what ran between the freeing backward and
+            this one (:class:`Between`), as far as a watcher knows.
+        compiled_forward: when ``node`` is a compiled region's
+            (``CompiledFunctionBackward``): the ``def`` line of the compiled
+            module's ``forward``, when known.
         key: ``id()`` of the named tensor (the base, for a view); internal.
         seq: the saving node's autograd sequence number; internal.
     """
@@ -213,6 +367,11 @@ class Hazard:
     fix: str = ""
     detected: str = "predicted"
     torch_message: str | None = None
+    saved_forward: Forward | None = None
+    variable: str | None = None
+    carrier: Carrier | None = None
+    between: Between | None = None
+    compiled_forward: Site | None = None
     key: int | None = field(default=None, repr=False, compare=False)
     seq: int | None = field(default=None, repr=False, compare=False)
 
@@ -220,6 +379,37 @@ class Hazard:
     def where(self) -> str:
         """``Node.slot``, as in ``MulBackward0.other`` (the node alone if the slot is unknown)."""
         return f"{self.node}.{self.slot}" if self.slot else self.node
+
+    @property
+    def made_by(self) -> str | None:
+        """The op that made an unnamed saved tensor: ``producer``, else PyTorch's sentence's.
+
+        Strict mode knows the producer of a saved output only; PyTorch's sentence
+        names it for a saved input too (``which is output 0 of Add,``).
+        """
+        if self.producer or self.tensor:
+            return self.producer
+        m = _PRODUCER.search(self.torch_message or "")
+        return m["op"] if m else None
+
+    def user_variable(self) -> str | None:
+        """The user's variable for an unnamed saved tensor: ``variable``, else read from lines.
+
+        The write's own line names what it wrote (``x += ...``, ``h.mul_(2)``,
+        ``p[i] = v``); a saved output's line names what the op made
+        (``h = torch.tanh(...)``). A line that only calls into a module
+        (``loss = net(x)``) names nothing.
+        """
+        if self.variable or self.tensor:
+            return self.variable
+        for m in self.modified_by:
+            if m.kind == "inplace_op" and m.writer is None and m.site is not None:
+                name = written_variable(m.description, m.site.code)
+                if name:
+                    return name
+        if self.saved_output and self.saved_at is not None and self.producer:
+            return made_variable(self.producer, self.saved_at.code)
+        return None
 
     def describe_tensor(self) -> str:
         """The tensor's name if known, else its type, in the words the report uses."""
@@ -232,36 +422,141 @@ class Hazard:
             if self.view:
                 return f"{self.tensor} (saved as a view of it, {meta})"
             return f"{self.tensor} ({meta})" if meta else self.tensor
-        what = f"the output of {self.producer}" if self.producer else "a tensor"
-        if self.producer and self.saved_output:
-            what = f"the output of {self.producer} (saved by its own backward)"
+        producer = self.made_by
+        what = f"the output of {producer}" if producer else "a tensor"
+        if producer and self.saved_output:
+            what = f"the output of {producer} (saved by its own backward)"
+        variable = self.user_variable()
+        if variable:
+            # The user's name first, PyTorch's words for it after.
+            what = f"`{variable}`"
+            if producer:
+                own = ", saved by its own backward" if self.saved_output else ""
+                what += f" (the output of {producer}{own})"
         return f"{what}, {meta}" if meta else what
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, as in the ``versionwatch.report/1`` schema."""
         d = asdict(self)
         d["tensor"] = self.tensor or self.describe_tensor()
+        d["producer"] = self.made_by
         d["shape"] = list(self.shape) if self.shape is not None else None
         d["saved_by"] = self.node
         d["saved_at"] = _site(self.saved_at)
+        forward = self.saved_forward or parse_forward(self.saved_during)
+        if forward is not None and forward.module is None and self.module:
+            # One watched root labels its forwards "forward #N": the root is the
+            # module's first name ("model" of strict mode's innermost "model.2").
+            forward = replace(forward, module=self.module.split(".", 1)[0])
+        d["saved_forward"] = _forward(forward)
+        d["variable"] = self.user_variable()
         f = self.freed_by
         d["freed_by"] = None if f is None else {
             "description": f.description, "file": f.site.file if f.site else None,
             "line": f.site.line if f.site else None}
         del d["node"], d["key"], d["seq"]
-        d["modified_by"] = [
-            {
-                "kind": m.kind,
-                "description": m.description,
-                "file": m.site.file if m.site else None,
-                "line": m.site.line if m.site else None,
-                **({"versions": list(m.versions)} if m.versions else {}),
-                **({"after": _event(m.bounds[0]), "before": _event(m.bounds[1])}
-                   if m.bounds else {}),
-            }
-            for m in self.modified_by
-        ]
+        d["modified_by"] = [_modification(m) for m in self.modified_by]
+        c = self.carrier
+        d["carrier"] = None if c is None else {
+            "name": c.name, "file": c.site.file if c.site else None,
+            "line": c.site.line if c.site else None, "code": c.site.code if c.site else None,
+            "module": c.module, "role": c.role, "fed_to": _forward(c.fed_to),
+            "entered": _site(c.entered), "trained": c.trained}
+        b = self.between
+        d["between"] = None if b is None else {
+            "events": [_modification(m) for m in b.events],
+            "changes_saved": b.changes_saved, "discards_grad": b.discards_grad}
+        d["compiled_forward"] = _site(self.compiled_forward)
         return d
+
+
+# PyTorch's sentence on a saved non-leaf: "[torch.FloatTensor [3, 4]], which is output 0 of Add,".
+_PRODUCER = re.compile(r"\], which is output \d+ of (?P<op>\w+?)(?:Backward\d*)?(?:\.\.\.)?,")
+# A write's description: "+=", "x[...] = v", "mul_()", "torch.relu_()"; not a step's.
+_AUGMENTED = {"+=": ast.Add, "-=": ast.Sub, "*=": ast.Mult, "/=": ast.Div, "//=": ast.FloorDiv,
+              "%=": ast.Mod, "**=": ast.Pow, "&=": ast.BitAnd, "|=": ast.BitOr, "^=": ast.BitXor,
+              "<<=": ast.LShift, ">>=": ast.RShift}
+
+
+def statement(code: str) -> ast.stmt | None:
+    """The one statement of a source line, if it parses alone (a comment may follow)."""
+    try:
+        body = ast.parse(code.strip()).body
+    except (SyntaxError, ValueError):
+        return None
+    return body[0] if len(body) == 1 else None
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """``x``, ``self.h``: a name the user can write again; else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def written_variable(description: str, code: str) -> str | None:
+    """The variable an in-place write's own line writes to, if the line shows the write.
+
+    >>> written_variable("+=", "x += self.ff(self.n1(x))")
+    'x'
+    >>> written_variable("mul_()", "h.mul_(2)  # in place")
+    'h'
+    >>> written_variable("x[...] = v", "scores[mask] = 0.0")
+    'scores'
+    >>> written_variable("relu_()", "loss = net(x).sum()") is None
+    True
+    """
+    stmt = statement(code)
+    if stmt is None:
+        return None
+    op = _AUGMENTED.get(description)
+    if op is not None:
+        if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, op):
+            return _dotted(stmt.target)
+        return None
+    if description == "x[...] = v":
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
+                and isinstance(stmt.targets[0], ast.Subscript):
+            return _dotted(stmt.targets[0].value)
+        return None
+    if not description.endswith("_()"):
+        return None
+    method = description[:-2].rpartition(".")[2]
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == method:
+            target = _dotted(node.func.value)
+            if target in ("torch", "F", "torch.nn.functional", "nn.functional"):
+                return _dotted(node.args[0]) if node.args else None
+            return target
+    return None
+
+
+def made_variable(producer: str, code: str) -> str | None:
+    """The variable that a line assigns the output of ``producer``'s op to, if it ends in that op.
+
+    >>> made_variable("Sigmoid", "h = self.fc(x).sigmoid()")
+    'h'
+    >>> made_variable("Tanh", "h = torch.tanh(self.fc(x))")
+    'h'
+    >>> made_variable("Sigmoid", "loss = net(x).sum()") is None
+    True
+    """
+    stmt = statement(code)
+    if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
+        return None
+    call = stmt.value
+    if not isinstance(call, ast.Call):
+        return None
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id \
+        if isinstance(func, ast.Name) else ""
+    if name.replace("_", "").lower() != producer.lower():
+        return None
+    return _dotted(stmt.targets[0])
 
 
 def size(n: int) -> str:
