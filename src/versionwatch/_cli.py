@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("reports", nargs="+", metavar="REPORT", help="per-rank JSON reports")
     merge.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     sub.add_parser("demo", help="the seed story in four steps (seconds, on a CPU)")
+    sub.add_parser("fix", help="patch the first hazard's lines, each patch checked by running it "
+                   "(docs/fix.md; `versionwatch fix --help`)")
     return p
 
 
@@ -434,6 +436,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``versionwatch`` console script and ``python -m versionwatch``."""
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["fix"]:  # its own options, parsed like run's: see _fix.main
+        from versionwatch._fix import main as fix
+
+        return fix(argv[1:])
     if argv[:1] == ["run"]:
         own, module, target = _split_run(argv[1:], parser)
         args = parser.parse_args(["run", *own])
