@@ -19,7 +19,7 @@ torch.manual_seed(0)
 net = ActorCritic()
 critic_opt = torch.optim.SGD([*net.trunk.parameters(), *net.critic.parameters()], lr=1e-2)
 actor_opt = torch.optim.SGD(net.actor.parameters(), lr=1e-2)
-for it in range(3):
+for _ in range(3):
     obs, actions, returns = torch.randn(8, 4), torch.randint(0, 2, (8,)), torch.randn(8, 1)
     logits, value = net(obs)
     advantage = (returns - value).detach()

@@ -19,7 +19,7 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
 ema = copy.deepcopy(model)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for it in range(3):
+for _ in range(3):
     loss = model(torch.randn(8, 4)).pow(2).mean()
     evaluate_with_ema(model, ema)
     opt.zero_grad()

@@ -1,4 +1,5 @@
 """A GAN whose discriminator loss takes fake = G(z) without detach()."""
+# ruff: noqa: E702  (the program joins statements with ";" on purpose)
 import torch
 from torch import nn
 
@@ -9,7 +10,7 @@ og = torch.optim.Adam(G.parameters(), lr=2e-4)
 od = torch.optim.Adam(D.parameters(), lr=2e-4)
 bce = nn.BCEWithLogitsLoss()
 ones, zeros = torch.ones(32, 1), torch.zeros(32, 1)
-for it in range(3):
+for _ in range(3):
     real, z = torch.randn(32, 2), torch.randn(32, 4)
     fake = G(z)
     d_loss = bce(D(real), ones) + bce(D(fake), zeros)

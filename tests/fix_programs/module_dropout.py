@@ -11,7 +11,7 @@ clf = nn.Sequential(
 )
 opt = torch.optim.Adam(clf.parameters(), lr=1e-3)
 x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
-for epoch in range(3):
+for _ in range(3):
     loss = nn.functional.cross_entropy(clf(x), y)
     opt.zero_grad()
     loss.backward()

@@ -7,7 +7,7 @@ model = nn.Linear(4, 5)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 mask = torch.zeros(8, 5, dtype=torch.bool)
 mask[:, 0] = True
-for step in range(3):
+for _ in range(3):
     probs = model(torch.randn(8, 4)).softmax(-1)
     probs[mask] = 0.0
     loss = -probs.max(-1).values.log().mean()

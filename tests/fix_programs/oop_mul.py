@@ -5,7 +5,7 @@ from torch import nn
 torch.manual_seed(0)
 model = nn.Linear(4, 4)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(3):
+for _ in range(3):
     x = torch.randn(8, 4)
     y = torch.sigmoid(model(x))
     y.mul_(2)  # sigmoid saved y for its backward

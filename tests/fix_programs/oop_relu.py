@@ -5,7 +5,7 @@ from torch import nn
 torch.manual_seed(0)
 model = nn.Linear(4, 4)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-for step in range(3):
+for _ in range(3):
     t = torch.exp(model(torch.randn(8, 4)) - 1)
     t.relu_()
     loss = t.mean()

@@ -5,7 +5,7 @@ from torch import nn
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for it in range(3):
+for _ in range(3):
     out = model(torch.randn(8, 4))
     opt.zero_grad()
     out.pow(2).mean().backward()
