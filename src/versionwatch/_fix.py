@@ -141,9 +141,27 @@ def fix(program: list[str], *, facts: FixFacts | None = None, check_steps: int =
     else:
         for c in candidates:
             check(c)
+    for c in candidates:
+        if c.family in ("move_step", "sum_losses") and not c.extra.get("merged"):
+            c.summary += _also_applies(original, failing)
     result.candidates = [c for c in candidates if c.verified] + \
         [c for c in candidates if not c.verified]
     return result
+
+
+def _also_applies(original: Run, failing: int) -> str:
+    """What a step moved after backward ``failing`` now also applies, from the original run."""
+    rec = original.record(failing)
+    if rec is None or "reach" not in rec:
+        return ""
+    stepped = {p for s in original.steps if s["after"] == failing - 1 for p in s["params"]}
+    shared = sorted(stepped & set(rec["reach"]))
+    if not shared:
+        return ""
+    names = ", ".join(shared[:3]) + (f" (+{len(shared) - 3})" if len(shared) > 3 else "")
+    return (f"; the step then also applies the gradients of backward #{failing} to {names}: "
+            "right when that loss should train them (a shared trunk), wrong when it must not "
+            "(a GAN's discriminator: re-run its forward after the step instead)")
 
 
 def _facts_of(run: Run) -> FixFacts:

@@ -55,6 +55,7 @@ class Run:
     report: dict[str, Any] | None = None
     facts: dict[str, Any] | None = None
     records: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
     stderr: str = ""
     seconds: float = 0.0
 

@@ -164,6 +164,8 @@ class Tracker:
         self.labels: dict[int, str] = {}
         self.classes: dict[str, int] = {}
         self.before: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        self.names: dict[int, str] = {}  # the names found at the latest recorded backward
+        self.step_log: list[dict[str, Any]] = []
         self.result: dict[str, Any] = {}
         # A scratch copy's lines stand for the original file's, in the record.
         self.back = {v: k for k, v in scratch.items()}
@@ -197,9 +199,14 @@ class Tracker:
         n = self.steps[id(opt)] = self.steps.get(id(opt), 0) + 1
         label = f"{self._label(opt)}.step() #{n}"
         clock = _seq_clock()
+        changed = []
         for p, v in self.before.pop(id(opt), ()):
             if p._version != v:
                 self.changed[id(p)] = (weakref.ref(p), clock, label)
+            if id(p) in self.names:
+                changed.append(self.names[id(p)])
+        if self.n <= self.record_upto:
+            self.step_log.append({"label": label, "after": self.n, "params": changed})
 
     def _wrap(self, inner: Any, at: int, first: str, inputs_at: int) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -226,6 +233,7 @@ class Tracker:
             names: dict[int, tuple[str, torch.Tensor]] = {}
             if k <= self.record_upto or k in self.grads_at:
                 names = _leaf_names(frame)
+                self.names = {i: key for i, (key, _) in names.items()}
                 rec["loss"] = [t.detach().to("cpu", copy=True) for t in _tensors(roots)]
                 try:
                     rec["reach"], rec["stale"] = self._walk(_tensors(roots), _tensors(inputs),
@@ -341,6 +349,7 @@ class Tracker:
         self.result.setdefault("exit", code)
         self.result["backwards"] = self.n
         self.result["records"] = self.records
+        self.result["steps"] = self.step_log
         tmp = self.out + ".tmp"
         torch.save(self.result, tmp)
         os.replace(tmp, self.out)

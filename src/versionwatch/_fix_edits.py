@@ -14,6 +14,8 @@ facts and gives nothing without them:
   after the last backward, or merged into a step of the same optimizer there.
 - ``sum_losses`` (the same, and a backward before the step): one backward of the
   summed losses.
+- ``refresh`` (the same, and ``saved_at`` a plain forward ``y = M(x)`` before the
+  step): ``M(x)`` again after the step where the second loss reads ``y``.
 - ``set_to_none`` (the same): ``zero_grad(set_to_none=True)``, which only hides
   the failure: rejected by rule.
 - ``move_update`` (``update``): a ``no_grad`` update (EMA, clipping) after the step.
@@ -570,10 +572,11 @@ def _step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
                    "their sum would)")
     else:
         summary = (f"`{receiver}.step()` moves after `{backward_text}`: every backward runs on "
-                   f"the weights its forward used, and {receiver} then applies all the "
-                   "gradients its parameters got, from both losses")
+                   "the weights its forward used")
+    out += _refresh(facts, src, body, i_s, i_b, receiver, backward_text)
     cand = _candidate("move_step", summary, src, moves)
     if cand is not None:
+        cand.extra["merged"] = later is not None
         out.append(cand)
     # One backward of the summed losses.
     first_stmt = None
@@ -582,7 +585,9 @@ def _step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
             first_stmt = body[j]
             break
     if first_stmt is not None:
-        out += _sum_losses(src, first_stmt, last, body, moves)
+        for c in _sum_losses(src, first_stmt, last, body, moves):
+            c.extra["merged"] = later is not None
+            out.append(c)
     # The hider: zero_grad(set_to_none=True).
     edits = []
     for call in _calls(src.function(step)):
@@ -604,6 +609,37 @@ def _step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
         if cand is not None:
             out.append(cand)
     return out
+
+
+def _refresh(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: int, i_b: int,
+             receiver: str, backward_text: str) -> list[Candidate]:
+    """Re-run the forward after the step: ``bce(d_fake, ones)`` -> ``bce(D(fake), ones)``."""
+    saved = facts.saved_at
+    if saved is None or saved.file != src.path or saved.line >= body[i_s].lineno:
+        return []
+    made = _stmt_with(src, saved.line, lambda s: isinstance(s, ast.Assign))
+    if not (isinstance(made, ast.Assign) and len(made.targets) == 1
+            and isinstance(made.targets[0], ast.Name) and isinstance(made.value, ast.Call)):
+        return []
+    # Only a forward of plain values: re-running `model(torch.randn(...))` would draw new data.
+    if not all(isinstance(a, (ast.Name, ast.Attribute, ast.Constant))
+               for a in [*made.value.args, *(k.value for k in made.value.keywords)]):
+        return []
+    name, expr = made.targets[0].id, src.segment(made.value)
+    edits = []
+    for stmt in body[i_s + 1:i_b + 1]:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and node.id == name:
+                if not isinstance(node.ctx, ast.Load):
+                    return []
+                edits.append(Edit(src.start(node), src.end(node), expr))
+    if not edits:
+        return []
+    cand = _candidate(
+        "refresh", f"`{expr}` again after `{receiver}.step()`: `{backward_text}` runs through "
+        "a new forward on the weights the step changed, not through the one made before it",
+        src, edits)
+    return [cand] if cand is not None else []
 
 
 def _sum_losses(src: Source, first: ast.stmt, last: ast.stmt, body: list[ast.stmt],
