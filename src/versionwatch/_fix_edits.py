@@ -381,7 +381,8 @@ def _out_of_place(facts: FixFacts, sources: Sources) -> list[Candidate]:
         if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
                 and _rebindable(value.func.value)):
             method = value.func.attr
-            twin = _twin(method)
+            namespace = _dotted(value.func.value) == "torch"
+            twin = None if namespace else _twin(method)
             if twin is not None:
                 target = src.segment(value.func.value)
                 end = src.end(value.func)
@@ -392,7 +393,7 @@ def _out_of_place(facts: FixFacts, sources: Sources) -> list[Candidate]:
                     f"leaves the tensor {saver} saved as it was; the values stay the same",
                     src, edits, keeps_values=True))
             # torch.relu_(x)  ->  x = torch.relu(x)
-            elif (method.endswith("_") and _dotted(value.func.value) == "torch" and value.args
+            elif (method.endswith("_") and namespace and value.args
                   and _rebindable(value.args[0]) and hasattr(__import__("torch"), method[:-1])):
                 target = src.segment(value.args[0])
                 end = src.end(value.func)
@@ -507,8 +508,9 @@ def _inplace_false(facts: FixFacts, sources: Sources, main: str | None) -> list[
     if facts.module_class:
         found = [f for f in found if f[2] == facts.module_class] or found
     elif facts.write_op:
-        base = facts.write_op.rstrip("_").lower()
-        found = [f for f in found if f[2].lower().startswith(base)] or found
+        base = facts.write_op.rstrip("_").replace("_", "").lower()
+        names = {"hardtanh": ("hardtanh", "relu6")}.get(base, (base,))
+        found = [f for f in found if f[2].lower().startswith(names)] or found
     out = []
     for src, call, name in found[:6]:
         flag = _inplace_flag(call, MODULE_INPLACE[name])
@@ -692,12 +694,13 @@ def _retain_graph(facts: FixFacts, sources: Sources) -> list[Candidate]:
         close = (close[0], close[1] - 1)  # the ")"
         toks = list(src.tokens_between(src.start(call), close))
         last_tok = toks[-1] if toks else None
-        sep = "" if last_tok is None or last_tok.string in ("(", ",") else ", "
-        if last_tok is not None and last_tok.string == ",":
-            sep = " "
-        edit = Edit(close, close, f"{sep}retain_graph=True")
+        if last_tok is not None and last_tok.string == ",":  # keep the trailing comma
+            edit = Edit(last_tok.end, last_tok.end, " retain_graph=True,")
+        else:
+            sep = "" if last_tok is None or last_tok.string == "(" else ", "
+            edit = Edit(close, close, f"{sep}retain_graph=True")
     same = facts.failing_backward is not None and facts.failing_backward == facts.first_backward
-    text = src.segment(call)
+    text = " ".join(src.segment(call).split())
     summary = (f"`retain_graph=True` on `{text}`: its graph stays for the next backward "
                "through it; the values stay the same")
     if same:
