@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from versionwatch._fix_check import Run, judge, run_child, write_scratch
+from versionwatch._fix_check import ForkServer, Run, judge, run_child, write_scratch
 from versionwatch._fix_edits import Candidate, Sources, propose
 from versionwatch._fix_facts import FixFacts, Line, shown
 
@@ -79,7 +79,7 @@ def _program_file(program: list[str]) -> str | None:
 
 def fix(program: list[str], *, facts: FixFacts | None = None, check_steps: int = 3,
         timeout: float = 120.0, jobs: int = 1, sources: dict[str, str] | None = None,
-        ) -> FixResult:
+        server: ForkServer | None = None) -> FixResult:
     """Find the first hazard of ``program``, propose patches, and check each one.
 
     Args:
@@ -90,9 +90,23 @@ def fix(program: list[str], *, facts: FixFacts | None = None, check_steps: int =
         timeout: seconds each run may take.
         jobs: how many checks run at once.
         sources: source text of files that are not on disk (``"<string>"``).
+        server: the fork server to run on (default: one of its own, where
+            ``os.fork`` exists; one for many calls saves its start-up).
     """
+    own = server is None and hasattr(os, "fork")
+    if own:
+        server = ForkServer()
+    try:
+        return _fix(program, facts, check_steps, timeout, jobs, sources, server)
+    finally:
+        if own and server is not None:
+            server.close()
+
+
+def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: float,
+         jobs: int, sources: dict[str, str] | None, server: ForkServer | None) -> FixResult:
     original = run_child(program, watch="strict", record_upto=_RECORD_UPTO,
-                         grads_upto=_GRADS_UPTO, timeout=timeout)
+                         grads_upto=_GRADS_UPTO, timeout=timeout, server=server)
     if original.status in ("completed", "stopped") or (
             original.status == "exited" and not original.exit):
         return FixResult("no_hazard", 0, original)
@@ -120,7 +134,7 @@ def fix(program: list[str], *, facts: FixFacts | None = None, check_steps: int =
     meant = None
     if facts.kind == "inplace" and any(c.keeps_values for c in candidates):
         meant = run_child(program, watch="none", allow_mutation=True, stop_after=failing,
-                          record_upto=0, grads_at=(failing,), timeout=timeout)
+                          record_upto=0, grads_at=(failing,), timeout=timeout, server=server)
 
     def check(c: Candidate) -> None:
         folder = tempfile.mkdtemp(prefix="versionwatch-fix-")
@@ -130,7 +144,7 @@ def fix(program: list[str], *, facts: FixFacts | None = None, check_steps: int =
                             stop_after=failing + check_steps,
                             record_upto=failing + check_steps,
                             grads_upto=min(failing, _GRADS_UPTO), timeout=timeout,
-                            workdir=folder)
+                            workdir=folder, server=server)
             judge(c, run, original, meant, failing, check_steps, timeout)
         finally:
             shutil.rmtree(folder, ignore_errors=True)

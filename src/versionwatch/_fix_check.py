@@ -24,12 +24,15 @@ program meant: every saved tensor as it was saved).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,11 +66,103 @@ class Run:
         return next((r for r in self.records if r["n"] == n), None)
 
 
+def _environment() -> dict[str, str]:
+    """The program's environment, with this very versionwatch importable first."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return env
+
+
+class ForkServer:
+    """A process that has imported torch once and forks a run for each request.
+
+    Each run is then a fork of a fresh interpreter that imported torch (with
+    ``torch._dynamo``, which an optimizer's first step imports) and versionwatch
+    and did nothing else: what a new process would be after its imports, for a
+    fraction of the start-up. A run takes the working directory of the call
+    that asked for it, and the environment the server started with. Used where
+    ``os.fork`` exists; :func:`run_child` starts a whole process without it.
+    """
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "versionwatch._fix_child", "--serve"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env=_environment(), start_new_session=True)
+        self.lock = threading.Lock()
+        self.next_id = 0
+        self.answers: dict[int, queue.Queue[dict[str, Any]]] = {}
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            message = json.loads(line)
+            with self.lock:
+                q = self.answers.get(message["id"])
+            if q is not None:
+                q.put(message)
+        with self.lock:  # the server is gone: every waiting run ends
+            for q in self.answers.values():
+                q.put({"exit": -1, "gone": True})
+
+    def run(self, spec: str, err: str, timeout: float) -> tuple[int, bool]:
+        """Run ``spec``; its exit status, and whether it timed out."""
+        q: queue.Queue[dict[str, Any]] = queue.Queue()
+        with self.lock:
+            self.next_id += 1
+            rid = self.next_id
+            self.answers[rid] = q
+            assert self.proc.stdin is not None
+            self.proc.stdin.write((json.dumps({"id": rid, "spec": spec, "err": err})
+                                   + "\n").encode())
+            self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        pid = None
+        timed_out = False
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    message = q.get(timeout=max(left, 0.01) if not timed_out else None)
+                except queue.Empty:
+                    timed_out = True
+                    if pid is not None:
+                        _kill(pid)
+                    continue
+                if "pid" in message:
+                    pid = message["pid"]
+                    if timed_out:
+                        _kill(pid)
+                elif "exit" in message:
+                    return int(message["exit"]), timed_out
+        finally:
+            with self.lock:
+                del self.answers[rid]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _kill(self.proc.pid)
+            self.proc.wait()
+
+
+def _kill(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def run_child(program: list[str], *, scratch: dict[str, str] | None = None,
               watch: str = "default", allow_mutation: bool = False,
               stop_after: int | None = None, record_upto: int = 0, grads_upto: int = 0,
               grads_at: tuple[int, ...] = (), timeout: float = 120.0,
-              workdir: str | None = None) -> Run:
+              workdir: str | None = None, server: ForkServer | None = None) -> Run:
     """Run ``program`` (``["script.py", ...]``, ``["-m", mod, ...]``, ``["-c", code, ...]``)."""
     own = workdir is None
     folder = workdir or tempfile.mkdtemp(prefix="versionwatch-fix-")
@@ -78,31 +173,34 @@ def run_child(program: list[str], *, scratch: dict[str, str] | None = None,
             json.dump({"argv": program, "scratch": scratch or {}, "watch": watch,
                        "allow_mutation": allow_mutation, "stop_after": stop_after,
                        "record_upto": record_upto, "grads_upto": grads_upto,
-                       "grads_at": list(grads_at), "out": out}, f)
-        env = dict(os.environ)
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+                       "grads_at": list(grads_at), "out": out, "cwd": os.getcwd()}, f)
         err_path = spec_path[:-5] + ".err"
         start = time.monotonic()
-        with open(err_path, "wb") as err:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "versionwatch._fix_child", spec_path],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env,
-                start_new_session=True)
-            timed_out = False
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                _kill_group(proc)
+        if server is not None:
+            code, timed_out = server.run(spec_path, err_path, timeout)
+        else:
+            with open(err_path, "wb") as err:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "versionwatch._fix_child", spec_path],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                    env=_environment(), start_new_session=True)
+                timed_out = False
+                try:
+                    proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                finally:
+                    _kill_group(proc)
+                code = proc.returncode
         seconds = time.monotonic() - start
-        with open(err_path, "rb") as f:
-            stderr = f.read().decode(errors="replace")
+        stderr = ""
+        if os.path.exists(err_path):
+            with open(err_path, "rb") as f:
+                stderr = f.read().decode(errors="replace")
         if timed_out:
             return Run("timeout", exit=-1, stderr=stderr, seconds=seconds)
         if not os.path.exists(out):
-            return Run("died", exit=proc.returncode, stderr=stderr, seconds=seconds)
+            return Run("died", exit=code, stderr=stderr, seconds=seconds)
         import torch
 
         data = torch.load(out, weights_only=True)

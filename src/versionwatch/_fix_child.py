@@ -379,6 +379,8 @@ def _run_main(argv0: str, scratch: dict[str, str]) -> None:
 def main(argv: Sequence[str]) -> int:
     with open(argv[0], encoding="utf-8") as f:
         spec = json.load(f)
+    if spec.get("cwd"):
+        os.chdir(spec["cwd"])  # a fork server's run: the program's working directory
     scratch = {os.path.realpath(k): v for k, v in (spec.get("scratch") or {}).items()}
     program: list[str] = spec["argv"]
     sys.meta_path.insert(0, ScratchFinder(scratch))
@@ -427,5 +429,73 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
+def serve() -> int:
+    """Fork a run for each request on stdin: torch is imported once, not once a run.
+
+    A request is a line of JSON, ``{"id": N, "spec": PATH, "err": PATH}``; the
+    answers, one JSON line each on stdout, are ``{"id": N, "pid": PID}`` when the
+    run starts and ``{"id": N, "exit": STATUS}`` when it ends (a negative status:
+    killed by that signal). A run is its own session (its process group is its
+    pid), so that a time-out ends it with whatever it started. One thread only,
+    so that nothing is held locked across a fork. Ends when stdin closes and the
+    last run has ended.
+    """
+    import select
+
+    # Imported once here for every run: what a run imports anyway, no state.
+    import torch._dynamo  # noqa: F401  (what an optimizer's first step() imports)
+
+    import versionwatch._auto
+    import versionwatch._fix_facts
+    import versionwatch._strict  # noqa: F401
+
+    stdin, stdout = sys.stdin.fileno(), sys.stdout.fileno()
+    buffer = b""
+    running: dict[int, int] = {}  # pid -> request id
+    open_ = True
+
+    def say(message: dict[str, Any]) -> None:
+        data = (json.dumps(message) + "\n").encode()
+        while data:
+            data = data[os.write(stdout, data):]
+
+    while open_ or running:
+        ready, _, _ = select.select([stdin] if open_ else [], [], [], 0.05)
+        if ready:
+            chunk = os.read(stdin, 65536)
+            if not chunk:
+                open_ = False
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:  # the run
+                    code = 70
+                    try:
+                        os.setsid()
+                        null = os.open(os.devnull, os.O_RDWR)
+                        err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                        os.dup2(null, 0)
+                        os.dup2(null, 1)
+                        os.dup2(err, 2)
+                        code = main([request["spec"]])
+                    finally:
+                        os._exit(code)
+                running[pid] = request["id"]
+                say({"id": request["id"], "pid": pid})
+        while running:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            code = os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") \
+                else (status >> 8)
+            say({"id": running.pop(pid), "exit": code})
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(serve() if sys.argv[1:] == ["--serve"] else main(sys.argv[1:]))

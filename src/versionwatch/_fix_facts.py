@@ -204,7 +204,8 @@ def _line(site: Site | None) -> Line | None:
         return None
     # A Site reads its file relative to the working directory: made absolute here,
     # while the working directory is the program's.
-    return Line(os.path.abspath(site.file), site.line, site.code)
+    file = site.file
+    return Line(file if file.startswith("<") else os.path.abspath(file), site.line, site.code)
 
 
 def from_report(report: Report, hazard: Hazard | None = None) -> FixFacts:
