@@ -272,6 +272,9 @@ class Tracker:
         reach: set[str] = set()
         stale: dict[str, str] = {}
         seen: set[int] = set()
+        # Held while walking: a node's Python object lives only as long as someone
+        # holds it (torch 2.4), and an id freed could come back for another node.
+        alive: list[Any] = []
         stack = []
         for r in roots:
             if r.grad_fn is not None:
@@ -283,6 +286,7 @@ class Tracker:
             if id(fn) in seen:
                 continue
             seen.add(id(fn))
+            alive.append(fn)
             for child, _ in fn.next_functions:
                 if child is None:
                     continue
