@@ -386,8 +386,9 @@ def compare_values(run: Run, original: Run, meant: Run | None,
         grads.append(n)
     if not losses:
         return False, "the values were not compared: the original run recorded none"
-    said = f"the losses of {_numbers(losses)}"
+    said = f"the loss{'es' if len(losses) > 1 else ''} of {_numbers(losses)}"
     if grads:
         return True, f"{said} and the gradients after {_numbers(grads)} are bitwise the " \
                      "original run's"
-    return True, f"{said} are bitwise the original run's (no gradients to compare)"
+    verb = "are" if len(losses) > 1 else "is"
+    return True, f"{said} {verb} bitwise the original run's (no gradients to compare)"

@@ -750,6 +750,9 @@ def _carried_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
     value = made.value
     if not loop and use == "forward" and first is not None:
         # GAN: D(fake.detach()) in the first backward's loss.
+        first_stmt = _stmt_with(src, first.line, lambda s: _backward_call(s) is not None)
+        first_call = _backward_call(first_stmt) if first_stmt is not None else None
+        first_text = src.segment(first_call) if first_call is not None else str(first)
         stmts = _function_stmts(src, fail, made_line.line, first.line)
         for stmt in stmts:
             edits = _detach_uses(src, [stmt], name)
@@ -758,7 +761,7 @@ def _carried_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
             call = _arg_uses(stmt, name)[0][1]
             callee = src.segment(call.func)
             out.append(_candidate(
-                "gan_detach", f"`{callee}({name}.detach())` in the loss of `{first.code or first}`:"
+                "gan_detach", f"`{callee}({name}.detach())` in the loss of `{first_text}`:"
                 f" that backward no longer reaches the network that made `{name}`, which its "
                 "own loss trains (the standard GAN step)", src, edits, cut_at=(first,)))
         # The hider: detach it in the second loss.
