@@ -327,3 +327,57 @@ def test_cli_facts_by_hand(tmp_path: Path, scratch_tmp: Path) -> None:
     assert "bitwise the original run's" in done.stdout
     bad = vw(["--facts", "two.py", "two.py"], tmp_path, scratch_tmp)
     assert bad.returncode == 2 and "--facts two.py" in bad.stderr
+
+
+def test_edited_module_of_a_package_runs_from_its_scratch_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server: ForkServer) -> None:
+    """`-m pkg.train`: the edited module is imported from its copy, its __file__ the original."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("", encoding="utf-8")
+    (pkg / "scale.txt").write_text("0.5\n", encoding="utf-8")
+    (pkg / "model.py").write_text(
+        "import os\n\nfrom torch import nn\n\n"
+        "SCALE = float(open(os.path.join(os.path.dirname(__file__), 'scale.txt')).read())\n\n\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Linear(4, 8), nn.Sigmoid(), nn.ReLU(inplace=True),\n"
+        "                         nn.Linear(8, 1))\n", encoding="utf-8")
+    (pkg / "train.py").write_text(
+        "import torch\n\nfrom pkg.model import SCALE, build\n\n"
+        "torch.manual_seed(0)\nnet = build()\n"
+        "for _ in range(2):\n"
+        "    (net(torch.randn(4, 4)) * SCALE).sum().backward()\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    model = pkg / "model.py"
+    facts = FixFacts("inplace", node="SigmoidBackward0",
+                     module_built=line_of(model, "nn.ReLU(inplace=True)"), module_class="ReLU")
+    result = fix(["-m", "pkg.train"], facts=facts, server=server)
+    assert result.status == "checked", (result.status, result.original)
+    (chosen,) = result.candidates
+    assert chosen.verified, chosen.why
+    assert chosen.file == str(model) and chosen.new.strip().startswith(
+        "return nn.Sequential(nn.Linear(4, 8), nn.Sigmoid(), nn.ReLU(inplace=False),")
+    assert "bitwise the original run's" in chosen.why
+    assert "inplace=True" in model.read_text(encoding="utf-8")  # nothing written
+    assert sorted(p.name for p in pkg.iterdir() if p.name != "__pycache__") == [
+        "__init__.py", "model.py", "scale.txt", "train.py"]
+
+
+def test_a_check_that_runs_too_long_is_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             no_process_left: None) -> None:
+    # Fixed, the program goes on forever: the check ends it at its time limit.
+    (tmp_path / "slow.py").write_text(
+        "import time\n\nimport torch\n\n"
+        "w = torch.ones(3, requires_grad=True)\n"
+        "y = torch.sigmoid(w * 2)\n"
+        "y.mul_(2)\n"
+        "y.sum().backward()\n"
+        "while True:\n"
+        "    time.sleep(0.05)\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    facts = FixFacts("inplace", node="SigmoidBackward0", write=line_of(tmp_path / "slow.py",
+                                                                         "y.mul_(2)"))
+    result = fix(["slow.py"], facts=facts, timeout=20)
+    (cand,) = result.candidates
+    assert not cand.verified
+    assert cand.why == "the patched program did not reach backward #4 within 20 s"

@@ -479,7 +479,9 @@ def _inplace_flag(call: ast.Call, position: int | None) -> ast.expr | None:
 
 
 def _module_constructions(src: Source, line: int | None) -> Iterator[tuple[ast.Call, str]]:
-    for call in _calls(src.tree):
+    calls = sorted((n for n in ast.walk(src.tree) if isinstance(n, ast.Call)),
+                   key=lambda c: (c.lineno, c.col_offset))  # in functions too
+    for call in calls:
         name = _callee(call)
         if name not in MODULE_INPLACE:
             continue
