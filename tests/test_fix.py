@@ -283,6 +283,9 @@ def test_cli_failure_not_ours(tmp_path: Path, scratch_tmp: Path, code: str, stat
     done = vw(["--apply", "prog.py"], tmp_path, scratch_tmp)
     assert done.returncode == status
     assert said in done.stderr and "nothing changed" in done.stderr
+    if status == 1:  # the program's own traceback first
+        assert done.stderr.startswith("Traceback (most recent call last):\n  File ")
+        assert "ValueError: bad data\n" in done.stderr
     assert prog.read_text(encoding="utf-8") == f"import torch\n{code}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prog.py", "tmp"]
 
@@ -298,9 +301,9 @@ def test_cli_bad_invocation(tmp_path: Path, scratch_tmp: Path, args: list[str],
                             said: str) -> None:
     done = vw(args, tmp_path, scratch_tmp)
     assert done.returncode == 2
-    first, usage = done.stderr.splitlines()
-    assert first.startswith("versionwatch fix: error: ") and said in first
-    assert usage.startswith("usage: versionwatch fix")
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("versionwatch fix: error: ") and said in line
+    assert line.endswith("(versionwatch fix --help)")
 
 
 def test_cli_program_on_stdin_gets_text_only(tmp_path: Path, scratch_tmp: Path) -> None:
@@ -381,3 +384,26 @@ def test_a_check_that_runs_too_long_is_ended(tmp_path: Path, monkeypatch: pytest
     (cand,) = result.candidates
     assert not cand.verified
     assert cand.why == "the patched program did not reach backward #4 within 20 s"
+
+
+def test_apply_writes_only_what_was_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             ) -> None:
+    from versionwatch._fix_edits import Candidate
+
+    monkeypatch.chdir(tmp_path)
+    inside = tmp_path / "a.py"
+    inside.write_text("y.mul_(2)\n", encoding="utf-8")
+    c = Candidate("out_of_place", "", {str(inside): ("y.mul_(2)\n", "y = y.mul(2)\n")})
+    inside.write_text("y.mul_(3)\n", encoding="utf-8")
+    assert apply_patch(c) == "a.py changed since the run; run versionwatch fix again"
+    assert inside.read_text(encoding="utf-8") == "y.mul_(3)\n"
+    inside.write_text("y.mul_(2)\n", encoding="utf-8")
+    assert apply_patch(c) is None
+    assert inside.read_text(encoding="utf-8") == "y = y.mul(2)\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.py"]
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    c = Candidate("out_of_place", "", {str(inside): ("y = y.mul(2)\n", "z\n")})
+    assert "is not under the working directory" in str(apply_patch(c))
+    assert inside.read_text(encoding="utf-8") == "y = y.mul(2)\n"

@@ -394,7 +394,7 @@ def main(argv: Sequence[str]) -> int:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise _Usage(f"--facts {opts['facts']}: {e}") from None
     except _Usage as e:
-        print(f"versionwatch fix: error: {e}\nusage: {USAGE}", file=sys.stderr)
+        print(f"versionwatch fix: error: {e} (versionwatch fix --help)", file=sys.stderr)
         return 2
     result = fix(program, facts=facts, check_steps=opts["check_steps"],
                  timeout=opts["timeout"], jobs=opts["jobs"], sources=sources)
@@ -409,6 +409,8 @@ def main(argv: Sequence[str]) -> int:
         else:
             result.notes.append("--apply: nothing written: no patch was verified")
     text = render(result)
+    if result.status == "not_ours" and result.original is not None and result.original.trace:
+        print(result.original.trace.rstrip("\n"), file=sys.stderr)  # as the program says it
     print(text, file=sys.stderr if result.status in ("no_hazard", "not_ours") else sys.stdout)
     if opts["json"]:
         target = program[1] if program[0] == "-m" else (

@@ -54,6 +54,7 @@ class Run:
     hazard: dict[str, Any] | None = None
     error: str | None = None
     error_site: list[Any] | None = None
+    trace: str = ""
     text: str = ""
     report: dict[str, Any] | None = None
     facts: dict[str, Any] | None = None
@@ -269,8 +270,9 @@ def _at(site: list[Any] | None, lines: dict[str, dict[int, int]]) -> str:
         return "?"
     file, line = site[0], int(site[1])
     patched = bool(site[2]) if len(site) > 2 else False
-    if patched and file in lines:
-        line = lines[file].get(line, line)
+    real = os.path.realpath(file)
+    if patched and real in lines:
+        line = lines[real].get(line, line)
     return f"{shown(file)}:{line}"
 
 
@@ -278,7 +280,9 @@ def judge(candidate: Candidate, run: Run, original: Run, meant: Run | None,
           failing: int, steps: int, timeout: float) -> None:
     """Set ``candidate.verified``, ``keeps_values`` and ``why`` from its check ``run``."""
     candidate.checked = True
-    lines = {path: line_map(old, new) for path, (old, new) in candidate.files.items()}
+    # By real path: a run names files as the interpreter found them, symlinks resolved.
+    lines = {os.path.realpath(path): line_map(old, new)
+             for path, (old, new) in candidate.files.items()}
     problems: list[str] = []
     if run.status == "timeout":
         problems.append(f"the patched program did not reach backward #{failing + steps} "
@@ -316,7 +320,7 @@ def judge(candidate: Candidate, run: Run, original: Run, meant: Run | None,
             break
     # Gradients the program trains with.
     if candidate.same_backwards and not candidate.cut_any:
-        cut = {(c.file, c.line) for c in candidate.cut_at}
+        cut = {(os.path.realpath(c.file), c.line) for c in candidate.cut_at}
         for rec in run.records:
             before = original.record(rec["n"])
             if before is None or "reach" not in before or "reach" not in rec:
@@ -325,7 +329,7 @@ def judge(candidate: Candidate, run: Run, original: Run, meant: Run | None,
             site = rec.get("site")
             at_line = None
             if site:
-                file, line = site[0], int(site[1])
+                file, line = os.path.realpath(site[0]), int(site[1])
                 if len(site) > 2 and site[2] and file in lines:
                     line = lines[file].get(line, line)
                 at_line = (file, line)

@@ -344,8 +344,15 @@ class Tracker:
                 site = [self.back.get(fr.filename, fr.filename), fr.lineno,
                         fr.filename in self.back]
                 break
+        # The program's traceback, its own frames only, as Python would print it.
+        frames = [fr for fr in tb if not fr.filename.startswith(_SKIP)]
+        trace = "Traceback (most recent call last):\n" + "".join(
+            traceback.format_list(frames)) + "".join(
+            traceback.format_exception_only(type(err), err))
+        for scratch, original in self.back.items():
+            trace = trace.replace(scratch, original)
         self.result = {"status": "error", "exit": 1, "error": _one_line(err),
-                       "error_site": site}
+                       "error_site": site, "trace": trace}
         self.finish("error", 1)
 
     def finish(self, status: str, code: int) -> NoReturn:
