@@ -87,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--force", action="store_true", help="build again even if built")
     build.add_argument("--verbose", action="store_true", help="show the build's log")
     native_sub.add_parser("status", help="one line: loaded, not built, or disabled and why")
+    sub.add_parser("fix", help="patch the first hazard's lines, each patch checked by running it "
+                   "(docs/fix.md; `versionwatch fix --help`)")
     return p
 
 
@@ -446,6 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``versionwatch`` console script and ``python -m versionwatch``."""
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["fix"]:  # its own options, parsed like run's: see _fix.main
+        from versionwatch._fix import main as fix
+
+        return fix(argv[1:])
     if argv[:1] == ["run"]:
         own, module, target = _split_run(argv[1:], parser)
         args = parser.parse_args(["run", *own])

@@ -1,0 +1,489 @@
+"""``versionwatch fix``'s candidate edits: exact text, formatting kept, one family at a time.
+
+No program runs here: these tests build the facts by hand, as the watcher will,
+and read the patched text. tests/test_fix.py runs the checks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import versionwatch
+from versionwatch._fix_edits import FUNCTIONAL_INPLACE, MODULE_INPLACE, Candidate, propose
+from versionwatch._fix_facts import FixFacts, Line, from_report
+from versionwatch._fix_source import Source, apply, line_map
+
+
+def write(tmp_path: Path, text: str, name: str = "prog.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+    return str(path)
+
+
+def at(path: str, line: int) -> Line:
+    return Line(path, line)
+
+
+def new_text(c: Candidate) -> str:
+    return c.files[c.file][1]
+
+
+def only(cands: list[Candidate], family: str) -> Candidate:
+    found = [c for c in cands if c.family == family]
+    assert len(found) == 1, [(c.family, c.new) for c in cands]
+    return found[0]
+
+
+# -- in-place ops on activations -------------------------------------------------------
+
+@pytest.mark.parametrize(("line", "expected"), [
+    ("y.mul_(2)  # sigmoid saved y", "y = y.mul(2)  # sigmoid saved y"),
+    ("z = y.add_(1)", "z = y = y.add(1)"),
+    ("h += skip", "h = h + skip"),
+    ("h *= a + b   # scaled", "h = h * (a + b)   # scaled"),
+    ("self.h -= f(x)", "self.h = self.h - f(x)"),
+    ("t.relu_()", "t = t.relu()"),
+    ("torch.relu_(t)", "t = torch.relu(t)"),
+    ("probs.masked_fill_(mask, 0.0)", "probs = probs.masked_fill(mask, 0.0)"),
+    ("probs[mask] = 0.0", "probs = probs.index_put((mask,), probs.new_tensor(0.0))"),
+    ("probs[rows, cols] = vals", "probs = probs.index_put((rows, cols), vals)"),
+    ("h = F.relu(h, inplace=True)", "h = F.relu(h, inplace=False)"),
+    ("h = F.dropout(h, 0.5, True, True)", "h = F.dropout(h, 0.5, True, False)"),
+    ("h = F.leaky_relu(h, 0.2, True)", "h = F.leaky_relu(h, 0.2, False)"),
+])
+def test_out_of_place(tmp_path: Path, line: str, expected: str) -> None:
+    path = write(tmp_path, f"""
+        def step(x):
+            {line}
+            return x
+    """)
+    cands = propose(FixFacts("inplace", node="SigmoidBackward0", write=at(path, 2)))
+    assert cands and cands[0].family == "out_of_place"
+    assert new_text(cands[0]).splitlines()[1] == "    " + expected
+    assert cands[0].keeps_values
+    assert cands[0].old == "    " + line and cands[0].new == "    " + expected
+
+
+def test_index_write_with_slices_clones_first(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        for _ in range(3):
+            probs = logits.softmax(-1)
+            probs[:, 0] = 0.0          # softmax saved probs
+            loss = probs.sum()
+    """)
+    (c,) = propose(FixFacts("inplace", node="SoftmaxBackward0", write=at(path, 3),
+                            write_op="fill_"))
+    assert new_text(c).splitlines()[1:4] == [
+        "    probs = logits.softmax(-1)",
+        "    probs = probs.clone()",
+        "    probs[:, 0] = 0.0          # softmax saved probs",
+    ]
+    assert "clone" in c.summary and c.keeps_values
+
+
+def test_index_write_offers_index_put_then_clone(tmp_path: Path) -> None:
+    path = write(tmp_path, "p = x.softmax(-1); p[m] = v; q = p.sum()\n")
+    cands = propose(FixFacts("inplace", write=at(path, 1)))
+    assert [new_text(c) for c in cands] == [
+        "p = x.softmax(-1); p = p.index_put((m,), v); q = p.sum()\n",
+        "p = x.softmax(-1); p = p.clone(); p[m] = v; q = p.sum()\n",
+    ]
+
+
+def test_write_op_picks_among_constructs(tmp_path: Path) -> None:
+    path = write(tmp_path, "h.mul_(2); g += 1\n")
+    (c,) = propose(FixFacts("inplace", write=at(path, 1), write_op="add_"))
+    assert new_text(c) == "h.mul_(2); g = g + 1\n"
+    both = propose(FixFacts("inplace", write=at(path, 1)))
+    assert len(both) == 2
+
+
+def test_no_out_of_place_for_a_parameter(tmp_path: Path) -> None:
+    # Rebinding a name never updates a parameter: `p = p.clamp(...)` would stop the clipping.
+    path = write(tmp_path, """
+        for p in critic.parameters():
+            p.clamp_(-0.01, 0.01)
+    """)
+    assert propose(FixFacts("inplace", tensor="critic.0.weight", write=at(path, 2))) == []
+
+
+def test_methods_without_a_twin_are_left_alone(tmp_path: Path) -> None:
+    path = write(tmp_path, "y.zero_(); y.copy_(z); y.requires_grad_()\n")
+    assert propose(FixFacts("inplace", write=at(path, 1))) == []
+
+
+# -- in-place modules -----------------------------------------------------------------
+
+def test_module_inplace_positions_match_torch() -> None:
+    for name, position in MODULE_INPLACE.items():
+        cls = getattr(nn, name, None)
+        if cls is None:
+            continue
+        params = list(inspect.signature(cls.__init__).parameters)[1:]
+        assert params.index("inplace") == position, name
+    for name, position in FUNCTIONAL_INPLACE.items():
+        fn = getattr(torch.nn.functional, name, None)
+        if fn is None:
+            continue
+        assert list(inspect.signature(fn).parameters).index("inplace") == position, name
+
+
+def test_module_built_line(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        import torch.nn as nn
+        clf = nn.Sequential(
+            nn.Linear(8, 16),
+            nn.ReLU(),
+            nn.Dropout(0.5, True),    # drop
+            nn.Linear(16, 2),
+        )
+    """)
+    (c,) = propose(FixFacts("inplace", node="ReluBackward0", module_built=at(path, 5),
+                            module_class="Dropout"))
+    assert c.family == "inplace_false" and c.keeps_values
+    assert c.old == "    nn.Dropout(0.5, True),    # drop"
+    assert c.new == "    nn.Dropout(0.5, inplace=False),    # drop"
+    assert "`relu` saved" in c.summary
+
+
+def test_modules_found_in_the_script(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        from torch import nn
+        a = nn.Sequential(nn.Linear(4, 8), nn.Sigmoid(), nn.ReLU(inplace=True),
+                          nn.LeakyReLU(0.1, True), nn.Hardtanh(0, 1, True, max_value=None))
+        b = nn.ReLU(inplace=False)
+    """)
+    cands = propose(FixFacts("inplace", node="SigmoidBackward0", write=at(path, 9)),
+                    main=path)
+    assert [c.new.strip() for c in cands] == [
+        "a = nn.Sequential(nn.Linear(4, 8), nn.Sigmoid(), nn.ReLU(inplace=False),",
+        "nn.LeakyReLU(0.1, inplace=False), nn.Hardtanh(0, 1, True, max_value=None))",
+        "nn.LeakyReLU(0.1, True), nn.Hardtanh(0, 1, inplace=False, max_value=None))",
+    ]
+    picked = propose(FixFacts("inplace", write=at(path, 9), write_op="leaky_relu_"), main=path)
+    assert [c.new.strip()[:28] for c in picked] == ["nn.LeakyReLU(0.1, inplace=Fa"]
+
+
+# -- a step between two backwards -----------------------------------------------------
+
+SEED = """
+    for _ in range(3):
+        y1_pred, y2_pred = model(x)
+        optim.zero_grad(set_to_none=False)
+        loss1 = mse(y1_pred, y1)
+        loss1.backward(retain_graph=True)
+        optim.step()
+        optim.zero_grad(set_to_none=False)
+        loss2 = mse(y2_pred, y2)
+        loss2.backward()
+        optim.step()
+"""
+
+
+def test_seed_story_merges_the_steps_and_sums_the_losses(tmp_path: Path) -> None:
+    path = write(tmp_path, SEED)
+    cands = propose(FixFacts("inplace", tensor="model.w3", step=at(path, 6),
+                             failing_backward=at(path, 9)))
+    assert [c.family for c in cands] == ["move_step", "sum_losses", "set_to_none"]
+    move, total, hider = cands
+    assert new_text(move) == textwrap.dedent("""\
+        for _ in range(3):
+            y1_pred, y2_pred = model(x)
+            optim.zero_grad(set_to_none=False)
+            loss1 = mse(y1_pred, y1)
+            loss1.backward(retain_graph=True)
+            loss2 = mse(y2_pred, y2)
+            loss2.backward()
+            optim.step()
+    """)
+    assert new_text(total) == textwrap.dedent("""\
+        for _ in range(3):
+            y1_pred, y2_pred = model(x)
+            optim.zero_grad(set_to_none=False)
+            loss1 = mse(y1_pred, y1)
+            loss2 = mse(y2_pred, y2)
+            (loss1 + loss2).backward()
+            optim.step()
+    """)
+    assert not total.same_backwards
+    assert hider.hides and "only hides" in hider.hides
+    assert new_text(hider).count("set_to_none=True") == 2
+
+
+def test_step_moves_out_of_a_semicolon_line(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        for _ in range(3):
+            out = critic(obs)
+            od.zero_grad(); d_loss.backward(retain_graph=True); od.step()  # D
+            og.zero_grad(); g_loss.backward(); og.step()
+    """)
+    cands = propose(FixFacts("inplace", tensor="D.0.weight", step=at(path, 3),
+                             failing_backward=at(path, 4)))
+    move = only(cands, "move_step")
+    assert new_text(move).splitlines()[2:4] == [
+        "    od.zero_grad(); d_loss.backward(retain_graph=True)  # D",
+        "    og.zero_grad(); g_loss.backward(); od.step(); og.step()",
+    ]
+
+
+def test_step_moves_after_the_last_backward_keeping_comments(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        critic_opt.zero_grad()
+        critic_loss.backward(retain_graph=True)
+        critic_opt.step()   # changes trunk.* in place
+        actor_opt.zero_grad()
+        actor_loss.backward()
+        actor_opt.step()
+    """)
+    move = only(propose(FixFacts("inplace", tensor="net.trunk.2.weight", step=at(path, 3),
+                                 failing_backward=at(path, 5))), "move_step")
+    assert new_text(move) == textwrap.dedent("""\
+        critic_opt.zero_grad()
+        critic_loss.backward(retain_graph=True)
+        actor_opt.zero_grad()
+        actor_loss.backward()
+        critic_opt.step()   # changes trunk.* in place
+        actor_opt.step()
+    """)
+
+
+def test_refresh_reruns_a_plain_forward(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        d_fake = D(fake)
+        d_loss.backward(retain_graph=True)
+        opt_d.step()
+        g_loss = bce(d_fake, ones)
+        g_loss.backward()
+    """)
+    c = only(propose(FixFacts("inplace", tensor="D.2.weight", step=at(path, 3),
+                              failing_backward=at(path, 5), saved_at=at(path, 1))), "refresh")
+    assert c.new == "g_loss = bce(D(fake), ones)"
+    # A forward that draws its input is not re-run: new data.
+    path = write(tmp_path, """
+        out = model(torch.randn(8, 4))
+        out.pow(2).mean().backward(retain_graph=True)
+        opt.step()
+        out.abs().mean().backward()
+    """, "b.py")
+    assert "refresh" not in [c.family for c in propose(FixFacts(
+        "inplace", tensor="model.2.weight", step=at(path, 3), failing_backward=at(path, 4),
+        saved_at=at(path, 1)))]
+
+
+# -- freed graphs -----------------------------------------------------------------------
+
+@pytest.mark.parametrize(("call", "expected"), [
+    ("loss.backward()", "loss.backward(retain_graph=True)"),
+    ("loss.backward(g)", "loss.backward(g, retain_graph=True)"),
+    ("loss.backward(retain_graph=False)", "loss.backward(retain_graph=True)"),
+    ("torch.autograd.backward([a, b])", "torch.autograd.backward([a, b], retain_graph=True)"),
+    ("scaler.scale(loss).backward()", "scaler.scale(loss).backward(retain_graph=True)"),
+])
+def test_retain_graph(tmp_path: Path, call: str, expected: str) -> None:
+    path = write(tmp_path, f"{call}  # first\nloss2.backward()\n")
+    c = only(propose(FixFacts("freed", first_backward=at(path, 1),
+                              failing_backward=at(path, 2))), "retain_graph")
+    assert c.new == f"{expected}  # first" and c.keeps_values
+
+
+def test_retain_graph_after_a_trailing_comma(tmp_path: Path) -> None:
+    path = write(tmp_path, "loss.backward(\n    g,\n)\nloss2.backward()\n")
+    c = only(propose(FixFacts("freed", first_backward=at(path, 1),
+                              failing_backward=at(path, 4))), "retain_graph")
+    assert new_text(c).startswith("loss.backward(\n    g, retain_graph=True,\n)")
+
+
+GAN = """
+    for _ in range(3):
+        fake = G(z)
+        d_loss = bce(D(real), ones) + bce(D(fake), zeros)
+        od.zero_grad(); d_loss.backward(); od.step()
+        g_loss = bce(D(fake), ones)
+        og.zero_grad(); g_loss.backward(); og.step()
+"""
+
+
+def test_gan_detach_in_the_first_loss_and_the_hider(tmp_path: Path) -> None:
+    path = write(tmp_path, GAN)
+    facts = FixFacts("freed", carried="fake", first_backward=at(path, 4),
+                     failing_backward=at(path, 6))
+    cands = propose(facts)
+    assert [c.family for c in cands] == ["gan_detach", "detach_second", "retain_graph"]
+    gan, hider, retain = cands
+    assert gan.new == "    d_loss = bce(D(real), ones) + bce(D(fake.detach()), zeros)"
+    assert gan.cut_at == (at(path, 4),)
+    assert hider.new == "    g_loss = bce(D(fake.detach()), ones)" and hider.hides
+    assert retain.new == "    od.zero_grad(); d_loss.backward(retain_graph=True); od.step()"
+    # Nothing between the backwards: retain_graph=True first.
+    first = propose(FixFacts("freed", carried="fake", first_backward=at(path, 4),
+                             failing_backward=at(path, 6), between="nothing"))
+    assert first[0].family == "retain_graph"
+
+
+def test_carried_state_in_a_loop(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        h = torch.zeros(1, 4)
+        for _ in range(4):
+            h = rnn(torch.randn(1, 4), h)
+            loss = h.pow(2).sum()
+            loss.backward()
+    """)
+    cands = propose(FixFacts("freed", carried="h", first_backward=at(path, 5),
+                             failing_backward=at(path, 5)))
+    c = only(cands, "detach_carried")
+    assert c.new == "    h = rnn(torch.randn(1, 4), h.detach())"
+    assert "detach_made" not in [x.family for x in cands]  # h feeds a forward
+
+
+def test_data_made_once_is_detached_where_made(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        adv = returns - critic(obs)   # advantages
+        for _ in range(3):
+            loss = -(actor(obs).log_softmax(-1) * adv).mean()
+            loss.backward()
+    """)
+    cands = propose(FixFacts("freed", carried="adv", first_backward=at(path, 4),
+                             failing_backward=at(path, 4)))
+    c = only(cands, "detach_made")
+    assert c.new == "adv = (returns - critic(obs)).detach()   # advantages"
+    assert c.cut_any
+
+
+# -- no_grad updates --------------------------------------------------------------------
+
+def test_update_block_moves_after_the_step(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        for _ in range(3):
+            out = critic(x).mean()
+            with torch.no_grad():
+                for p in critic.parameters():
+                    p.clamp_(-0.01, 0.01)   # clip
+            opt.zero_grad()
+            out.backward()
+            opt.step()
+    """)
+    c = only(propose(FixFacts("inplace", tensor="critic.2.weight", update=(at(path, 5),),
+                              failing_backward=at(path, 7))), "move_update")
+    assert new_text(c) == textwrap.dedent("""\
+        for _ in range(3):
+            out = critic(x).mean()
+            opt.zero_grad()
+            out.backward()
+            opt.step()
+            with torch.no_grad():
+                for p in critic.parameters():
+                    p.clamp_(-0.01, 0.01)   # clip
+    """)
+
+
+def test_update_in_a_helper_moves_its_call(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        def swap(model, ema):
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), ema.parameters()):
+                    p.copy_(q)
+
+        loss = model(x).sum()
+        swap(model, ema)
+        loss.backward()
+    """)
+    c = only(propose(FixFacts("inplace", tensor="model.weight", update=(at(path, 4),),
+                              failing_backward=at(path, 8))), "move_update")
+    assert new_text(c).endswith("loss = model(x).sum()\nloss.backward()\nswap(model, ema)\n")
+
+
+# -- what is never edited ---------------------------------------------------------------
+
+def test_installed_files_are_never_edited() -> None:
+    import torch.nn.modules.activation as act
+
+    src = Path(act.__file__).read_text(encoding="utf-8").splitlines()
+    line = next(i for i, t in enumerate(src, 1) if "inplace" in t and "=" in t)
+    assert propose(FixFacts("inplace", write=Line(act.__file__, line),
+                            module_built=Line(act.__file__, line))) == []
+
+
+def test_a_line_changed_since_the_run_is_left_alone(tmp_path: Path) -> None:
+    path = write(tmp_path, "y.mul_(2)\n")
+    assert propose(FixFacts("inplace", write=Line(path, 1, "y.mul_(3)"))) == []
+    assert propose(FixFacts("inplace", write=Line(path, 1, "y.mul_(2)")))
+
+
+def test_a_program_that_is_not_a_file() -> None:
+    code = "import torch\ny = torch.ones(2, requires_grad=True).sigmoid()\ny.mul_(2)\n"
+    (c,) = propose(FixFacts("inplace", write=Line("<string>", 3),
+                            sources={"<string>": code}))
+    assert c.file == "<string>" and c.new == "y = y.mul(2)"
+
+
+def test_diffs_apply_with_git(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, SEED, "seed.py")
+    cands = propose(FixFacts("inplace", tensor="model.w3", step=at(path, 6),
+                             failing_backward=at(path, 9)))
+    for c in cands:
+        assert c.diff.startswith("diff --git a/seed.py b/seed.py\n--- a/seed.py\n")
+        patch = tmp_path / "fix.patch"
+        patch.write_text(c.diff, encoding="utf-8")
+        done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=tmp_path,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    subprocess.run(["git", "apply", str(tmp_path / "fix.patch")], cwd=tmp_path, check=True)
+    assert Path(path).read_text(encoding="utf-8") == new_text(cands[-1])
+
+
+# -- the pieces --------------------------------------------------------------------------
+
+def test_edits_and_line_map() -> None:
+    from versionwatch._fix_source import Edit
+
+    text = "a = 1\nb = 2\n"
+    assert apply(text, [Edit((2, 0), (2, 0), "x = 0\n"), Edit((1, 4), (1, 5), "9")]) == \
+        "a = 9\nx = 0\nb = 2\n"
+    assert line_map(text, "a = 1\nx = 0\nb = 2\n") == {1: 1, 2: 2, 3: 2}
+    src = Source("<t>", "s = 'é'; y.mul_(2)\n")
+    (_, stmt) = src.statements_at(1)
+    assert src.segment(stmt) == "y.mul_(2)"  # columns in characters, not UTF-8 bytes
+
+
+def test_facts_round_trip_and_bad_facts() -> None:
+    facts = FixFacts("freed", carried="h", first_backward=Line("/a.py", 3, "x"),
+                     update=(Line("/a.py", 1),))
+    assert FixFacts.from_dict(facts.to_dict()) == facts
+    with pytest.raises(ValueError, match="unknown fact"):
+        FixFacts.from_dict({"kind": "freed", "carry": "h"})
+    with pytest.raises(ValueError, match="kind must be"):
+        FixFacts.from_dict({"kind": "broken"})
+
+
+def test_from_report_of_a_strict_watcher(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        import torch
+        from torch import nn
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = model(torch.randn(8, 4))
+        out.pow(2).mean().backward(retain_graph=True)
+        opt.step()
+        out.abs().mean().backward()
+    """)
+    code = compile(Path(path).read_text(encoding="utf-8"), path, "exec")
+    with pytest.raises(versionwatch.InplaceModificationError) as caught:
+        with versionwatch.watch_all(strict=True):
+            exec(code, {"__name__": "__main__"})
+    facts = from_report(caught.value.report)
+    assert facts.kind == "inplace" and facts.tensor == "model.2.weight"
+    assert facts.step == Line(path, 7, "opt.step()")
+    assert facts.failing_backward is not None and facts.failing_backward.line == 8
+    assert facts.saved_at is not None and facts.saved_at.line == 5
+    assert [c.family for c in propose(facts)][:2] == ["move_step", "sum_losses"]
