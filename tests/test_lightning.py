@@ -17,6 +17,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 import versionwatch  # noqa: E402
 from versionwatch import _watch  # noqa: E402
+from versionwatch._runtime import installed  # noqa: E402
 from versionwatch.integrations.lightning import VersionWatch  # noqa: E402
 
 # Captured before any watcher opens: a backward that bypasses the watcher.
@@ -137,7 +138,7 @@ def _assert_unpatched(backward_before: object, module: nn.Module) -> None:
     assert torch.autograd.backward is _RAW_BACKWARD
     assert torch.autograd.grad.__module__ == "torch.autograd"
     assert torch.optim.Optimizer.zero_grad is not _watch._zero_grad
-    assert not _watch._ACTIVE and not _watch._GLOBAL_HANDLES
+    assert installed() == {}  # no watcher, patch, global hook or route of ours is left
     from torch.optim import optimizer as optim_module
 
     hooks = [*optim_module._global_optimizer_pre_hooks.values(),

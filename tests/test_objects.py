@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 import versionwatch
-from versionwatch import InplaceModificationError, _forward
+from versionwatch import InplaceModificationError
+from versionwatch._runtime import installed
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
               "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -59,7 +60,7 @@ def hooks_of(model: nn.Module) -> list[dict[str, int]]:
 
 
 def assert_registry_empty() -> None:
-    assert not _forward._ROOTS and not _forward._ADOPTERS
+    assert installed() == {}  # no route, adopter, patch or watcher of ours is left
 
 
 def test_pickle_and_torch_save_inside_a_watch(tmp_path: Path):
@@ -155,8 +156,7 @@ def test_watching_a_script_module_says_what_to_watch_instead():
         with pytest.raises(TypeError, match=r"cannot watch 'scripted', a ScriptModule .*"
                                              r"Watch the module you scripted"):
             versionwatch.watch(scripted)
-    assert not versionwatch._watch._ACTIVE  # refused before anything was installed
-    assert_registry_empty()
+    assert_registry_empty()  # refused before anything was installed
 
 
 def test_a_compiled_module_is_named_as_the_user_writes_it():

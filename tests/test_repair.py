@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import versionwatch
+from versionwatch._runtime import installed
 
 STEPS = 20
 
@@ -600,18 +601,26 @@ def test_nested_strict_repairers_each_repair_what_they_watch():
 
 
 def test_a_watcher_whose_close_raises_still_hands_repair_back(monkeypatch):
-    from versionwatch import _strict
+    from versionwatch import _hookstack
 
     model = Seed()
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
     with versionwatch.watch({"model": model}, optim, on_hazard="repair", strict=True) as outer:
         inner = versionwatch.watch({"other": nn.Linear(2, 2)}, on_hazard="repair", strict=True)
+        real_pop = _hookstack.pop
 
-        def broken() -> None:
+        def broken(owner: object) -> None:
+            real_pop(owner)  # the entry does come off: only the error is injected
             raise RuntimeError("a hook's removal failed")
 
-        monkeypatch.setattr(inner, "_remove_hooks", broken)
-        with pytest.raises(RuntimeError, match="a hook's removal failed"):
-            inner.close()
-        assert [r() for r in _strict.REPAIRERS] == [outer._strict_repair]
-    assert _strict.REPAIRERS == []
+        with monkeypatch.context() as m:
+            m.setattr(_hookstack, "pop", broken)
+            with pytest.raises(RuntimeError, match="a hook's removal failed"):
+                inner.close()
+        assert installed()["strict repairers"] == 1 and installed()["watchers"] == 1
+        y1_pred, y2_pred = model(torch.ones(1))  # the seed story: the outer one repairs it
+        y1_pred.sum().backward(retain_graph=True)
+        optim.step()
+        y2_pred.sum().backward()
+        assert outer.repair_summary()["repairs"] >= 1
+    assert installed() == {}

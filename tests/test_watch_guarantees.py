@@ -21,6 +21,7 @@ from torch import nn
 
 import versionwatch
 from versionwatch import InplaceModificationError
+from versionwatch._runtime import installed
 
 ORIGINAL_BACKWARD = torch.autograd.backward
 ORIGINAL_GRAD = torch.autograd.grad
@@ -43,9 +44,7 @@ def assert_unpatched() -> None:
     assert torch.optim.Optimizer.zero_grad is ORIGINAL_ZERO_GRAD
     assert vars(nn.Module)["_call_impl"] is ORIGINAL_CALL_IMPL
     assert vars(nn.Module)["_compiled_call_impl"] is ORIGINAL_COMPILED_CALL_IMPL
-    from versionwatch import _forward
-
-    assert not _forward._PLACED and not _forward._CALLS
+    assert installed() == {}  # no patch, route, registry entry or hook entry of ours
     assert not any("_compiled_call_impl" in vars(c) for c in (nn.Sequential, nn.Linear))
     assert not optim_mod._global_optimizer_pre_hooks
     assert not optim_mod._global_optimizer_post_hooks

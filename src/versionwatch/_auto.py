@@ -31,7 +31,11 @@ class AutoWatcher(Watcher):
         # id -> weak reference of every module adopted or skipped: asked at each
         # module call, where a WeakSet's lookup cost four times as much.
         self._seen: dict[int, weakref.ref[nn.Module]] = {}
-        self._handles.append(_forward.add_adopter(self))
+        try:
+            self._held.append(_forward.add_adopter(self))
+        except BaseException:
+            self.close()
+            raise
         # (rank, world_size) when a root was adopted in a process group: the
         # group may be gone by the time ``versionwatch run`` names its files.
         self.rank_seen: tuple[int, int] | None = None

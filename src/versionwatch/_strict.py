@@ -45,6 +45,18 @@ from versionwatch._compat import PEEK as _PEEK
 from versionwatch._compat import HookedSaved, allow_in_peek, peek, sequence_nr, storage_address
 from versionwatch._explain import _BACKWARD_SUFFIX
 from versionwatch._report import Hazard, Modification, Site
+from versionwatch._runtime import (
+    Anchor,
+    Call,
+    Change,
+    Entry,
+    Patch,
+    Registry,
+    Removable,
+    Subscription,
+    add_probe,
+    remove_all,
+)
 from versionwatch._sites import _is_library, is_library, site_at, user_site
 from versionwatch._torchtext import strict_message
 
@@ -189,25 +201,24 @@ class _State:
 
     def __init__(self) -> None:
         self.registry: dict[int, list[weakref.ref[SavedRecord]]] = {}
-        self.owners: list[Any] = []  # open strict watchers
-        self.patches: list[tuple[Any, str, Any, bool]] = []
         # id -> weak reference of tensors handed out by ``.data`` (a WeakSet
         # would compare tensors with ==).
         self.data_aliases: dict[int, weakref.ref[torch.Tensor]] = {}
         self.local = _Local()
         self.purge_at = _PURGE_MIN
-        # ids of our wrappers entered in TorchScript's builtin table, to take out.
-        self.jit_ids: list[int] = []
+        self.recording = False  # while installed: a hook left behind records nothing
 
 
 STATE = _State()
 _LOCAL = STATE.local
 _Hits = list[tuple[torch.Tensor, "SavedRecord"]]
-# ``on_hazard="repair"``: each open repairing strict watcher's ``_strict_repair``,
-# oldest first, weakly (a watcher dropped without close() is not kept alive).
-# Called with (label, site, hits) before a write is recorded, it returns the
-# hits it could not repair.
-REPAIRERS: list[weakref.WeakMethod[Callable[[str, Site | None, _Hits], _Hits]]] = []
+# Open strict watchers, oldest first; weakly: one dropped without close() is
+# not kept alive by strict mode.
+OWNERS: Registry[Any] = Registry("strict watchers", weak=True)
+# ``on_hazard="repair"``: each open repairing strict watcher, oldest first,
+# weakly. Its ``_strict_repair`` is called with (label, site, hits) before a
+# write is recorded, and returns the hits it could not repair.
+REPAIRERS: Registry[Any] = Registry("strict repairers", weak=True)
 
 
 def _repair(label: str, site: Site | None, hits: _Hits) -> _Hits:
@@ -216,24 +227,24 @@ def _repair(label: str, site: Site | None, hits: _Hits) -> _Hits:
     An activation (no watcher knows it) goes to the innermost one, as does
     every hit while only one is open.
     """
-    live = [m for m in (ref() for ref in REPAIRERS) if m is not None]
+    live = REPAIRERS.items()
     if not live:
         return hits
     if len(live) == 1:
-        return live[0](label, site, hits)
+        return live[0]._strict_repair(label, site, hits)  # type: ignore[no-any-return]
     groups: dict[int, _Hits] = {}
     for t, rec in hits:
         own, base = rec.ids
         owner = len(live) - 1
         for k in range(len(live) - 1, -1, -1):
-            names = live[k].__self__._names  # type: ignore[attr-defined]
+            names = live[k]._names
             if own in names or (base is not None and base in names):
                 owner = k
                 break
         groups.setdefault(owner, []).append((t, rec))
     left: _Hits = []
     for k, group in groups.items():
-        left += live[k](label, site, group)
+        left += live[k]._strict_repair(label, site, group)
     return left
 
 
@@ -288,7 +299,7 @@ def _in_step() -> bool:
 
 
 def pack(t: torch.Tensor) -> SavedRecord:
-    if not STATE.owners:  # a hook left on a thread by a close from another: inert
+    if not STATE.recording:  # a hook left on a thread by a close from another: inert
         return SavedRecord(t, None, None)
     local = _LOCAL
     stack = local.modules
@@ -640,7 +651,8 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
         hits = _repair(label, site, hits)
         if not hits:
             return
-    stop = STATE.owners[-1] if STATE.owners and STATE.owners[-1].stop_at_write else None
+    newest = OWNERS.newest()
+    stop = newest if newest is not None and newest.stop_at_write else None
     hazards = []
     for t, rec in hits:
         silent = silent_op or _is_silent(name, t)
@@ -685,13 +697,6 @@ def _wrap_out(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _patch(owner: Any, attr: str, new: Any) -> None:
-    had = attr in vars(owner)
-    old = vars(owner)[attr] if had else getattr(owner, attr)
-    STATE.patches.append((owner, attr, old, had))
-    setattr(owner, attr, new)
-
-
 def _data_getter() -> property:
     original: Any = vars(torch._C.TensorBase)["data"]
 
@@ -730,22 +735,23 @@ def _jit_builtins() -> dict[int, str]:
     return table
 
 
-def install() -> None:
-    """Patch the in-place entry points (process-wide, until :func:`uninstall`)."""
+def _changes() -> list[Change]:
+    """Every change strict mode makes to the process, in the order applied."""
+    changes: list[Change] = [Call(_start_recording, _stop_recording)]
     tensor = torch.Tensor
     for attr in dir(tensor):
         if attr.endswith("_") and not attr.startswith("__") and attr not in _METADATA_ONLY:
             fn = getattr(tensor, attr, None)
             if callable(fn):
-                _patch(tensor, attr, _wrap(attr, fn))
+                changes.append(Patch(tensor, attr, _wrap(attr, fn)))
     for attr in _DUNDER_WRITES:
         fn = getattr(tensor, attr, None)
         if fn is not None:
-            _patch(tensor, attr, _wrap(attr, fn))
-    _patch(tensor, "data", _data_getter())
-    _patch(tensor, "detach_", _wrap_detach(tensor.detach_))
+            changes.append(Patch(tensor, attr, _wrap(attr, fn)))
+    changes.append(Patch(tensor, "data", _data_getter()))
+    changes.append(Patch(tensor, "detach_", _wrap_detach(tensor.detach_)))
     saved: Any = torch._C._autograd.SavedTensor
-    _patch(saved, "register_hooks", _wrap_register_hooks(saved.register_hooks))
+    changes.append(Patch(saved, "register_hooks", _wrap_register_hooks(saved.register_hooks)))
     # TorchScript compiles a call to a torch function by the function's identity
     # (torch.jit._builtins): our wrappers map to the same aten op, or scripting
     # code that calls torch.relu_ (forward AD's decompositions do) would fail.
@@ -765,32 +771,34 @@ def install() -> None:
                 new = _wrap_out(prefix + attr, fn)
             else:
                 continue
-            _patch(mod, attr, new)
+            changes.append(Patch(mod, attr, new))
             op = builtins.get(id(fn))
             if op is not None:
-                builtins[id(new)] = op
-                STATE.jit_ids.append(id(new))
+                # A dead wrapper's id may be reused by anything: taken out with it.
+                changes.append(Entry(builtins, id(new), op))
     # The module being run, for the records: a thin wrapper keeps nn.Module's
     # fast path (a module hook, even a global one, sends every call down the
     # slow path, which made strict mode 1.3x slower on small models).
-    _patch(nn.Module, "_call_impl", _module_call(nn.Module._call_impl))
-    _hookstack.install(pack, unpack)
+    changes.append(Patch(nn.Module, "_call_impl", _module_call(nn.Module._call_impl)))
+    changes += _hookstack.changes(pack, unpack)
+    return changes
 
 
-def uninstall() -> None:
-    _hookstack.uninstall()
-    while STATE.patches:
-        owner, attr, old, had = STATE.patches.pop()
-        if had:
-            setattr(owner, attr, old)
-        else:
-            delattr(owner, attr)
-    builtins = _jit_builtins()
-    while STATE.jit_ids:  # a dead wrapper's id may be reused by anything
-        builtins.pop(STATE.jit_ids.pop(), None)
+def _start_recording() -> None:
+    STATE.recording = True
+
+
+def _stop_recording() -> None:
+    STATE.recording = False
     STATE.registry.clear()
     _NAMES.clear()
     _NAME_REFS.clear()
+
+
+# Strict mode's patches, in place while any strict watcher is open.
+ANCHOR = Anchor("strict mode patches", _changes)
+# Storages with saved records: emptied when the last strict watcher closes.
+add_probe("strict records", lambda: len(STATE.registry))
 
 
 # id(module) -> qualified name; an entry goes when its module dies, so an id
@@ -839,36 +847,33 @@ def _module_call(call_impl: Callable[..., Any]) -> Callable[..., Any]:
 _CALL_CODE = _module_call(nn.Module._call_impl).__code__
 
 
-def attach(owner: Any) -> Any:
-    """Start strict mode for ``owner`` on this thread; returns what :func:`detach` takes."""
-    if not STATE.owners:
-        install()
-    STATE.owners.append(owner)
-    try:
-        return _hookstack.push()
-    except BaseException:
-        STATE.owners.remove(owner)
-        if not STATE.owners:
-            uninstall()
-        raise
+def attach(owner: Any) -> Subscription:
+    """Start strict mode for ``owner`` on this thread; the subscription ends it.
 
-
-def detach(owner: Any, hooks: Any) -> None:
-    """End strict mode for ``owner``; from another thread, its hooks go inert.
-
-    PyTorch lets no thread pop another's saved-tensor hooks: those stay on
+    Ending it from another thread leaves this thread's hook entry inert:
+    PyTorch lets no thread pop another's saved-tensor hooks, so it stays on
     the owner's stack until its thread next enters versionwatch, and pack
     there records nothing once no strict watcher is open.
     """
+    held: list[Removable] = [ANCHOR.subscribe()]
     try:
-        _hookstack.pop(hooks)
-    finally:
-        end_step()
-        _LOCAL.forward = None
-        if owner in STATE.owners:
-            STATE.owners.remove(owner)
-        if not STATE.owners:
-            uninstall()
+        held.append(OWNERS.add(owner))
+        if owner.policy == "repair":
+            held.append(REPAIRERS.add(owner))
+        token = _hookstack.push()
+    except BaseException:
+        remove_all(held)
+        raise
+
+    def detach() -> None:
+        try:
+            _hookstack.pop(token)
+        finally:
+            end_step()
+            _LOCAL.forward = None
+            remove_all(held)
+
+    return Subscription(detach)
 
 
 allow_in_peek(unpack)

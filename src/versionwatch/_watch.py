@@ -26,7 +26,6 @@ import torch
 import torch.jit._builtins as _builtins
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 
 from versionwatch import _distributed, _forward, _inflight, _repair, _strict
 from versionwatch._call import BadCall, read_once, rejected
@@ -40,6 +39,16 @@ from versionwatch._naming import has_fsdp, module_tensors
 from versionwatch._predict import _GATE, _VERSION_RE, predict, raise_for
 from versionwatch._repair import Repairer
 from versionwatch._report import Hazard, Modification, Repair, Report, Site, size
+from versionwatch._runtime import (
+    Anchor,
+    Change,
+    Entry,
+    Hook,
+    Patch,
+    Registry,
+    Removable,
+    remove_all,
+)
 from versionwatch._sites import user_frame, user_site
 from versionwatch._timeline import Timeline
 
@@ -47,9 +56,8 @@ logger = logging.getLogger("versionwatch")
 
 _LOCK = threading.RLock()
 _LOCAL = threading.local()
-_ACTIVE: list[Watcher] = []
-_ORIGINAL: dict[str, Any] = {}
-_GLOBAL_HANDLES: list[RemovableHandle] = []
+# Open watchers, oldest first: truthy while any is open.
+_ACTIVE: Registry[Watcher] = Registry("watchers")
 
 
 def _stack() -> list[Watcher]:
@@ -67,8 +75,7 @@ def _current() -> Watcher | None:
     stack: list[Watcher] | None = local.get("stack")
     if stack:
         return stack[-1]
-    with _LOCK:
-        return _ACTIVE[-1] if _ACTIVE else None
+    return _ACTIVE.newest()
 
 
 def _owner(opt: Optimizer) -> tuple[Watcher, _OptimizerState] | None:
@@ -88,8 +95,7 @@ def _owner(opt: Optimizer) -> tuple[Watcher, _OptimizerState] | None:
     elif stack:
         candidates = stack[::-1]
     else:
-        with _LOCK:
-            candidates = _ACTIVE[::-1]
+        candidates = _ACTIVE.items()[::-1]
     for w in candidates:
         if not w._closed:
             state = w._optimizer(opt)
@@ -130,7 +136,7 @@ def _add_note(err: BaseException, text: str) -> None:
 
 # -- the process-wide patches, installed while any watcher is open ------------------
 
-def _patched(api: str, first: str, inputs_at: int) -> Callable[..., Any]:
+def _patched(api: str, first: str, inputs_at: int) -> Patch:
     """A stand-in for ``torch.autograd.<api>`` that predicts before it calls the original.
 
     ``first`` is the name of the outputs argument, ``inputs_at`` the position of
@@ -139,7 +145,7 @@ def _patched(api: str, first: str, inputs_at: int) -> Callable[..., Any]:
 
     def patched(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
-        original = _ORIGINAL[api]
+        original = patch.old
         w = _current()
         if w is None:
             return original(*args, **kwargs)
@@ -158,17 +164,20 @@ def _patched(api: str, first: str, inputs_at: int) -> Callable[..., Any]:
                                (args, kwargs))
 
     patched.__name__ = patched.__qualname__ = api
-    return patched
+    patch = Patch(torch.autograd, api, patched)
+    return patch
 
 
 # backward(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
-_backward = _patched("backward", "tensors", 5)
+_BACKWARD = _patched("backward", "tensors", 5)
+_backward = _BACKWARD.new
 # grad(outputs, inputs, ...)
-_grad = _patched("grad", "outputs", 1)
+_GRAD = _patched("grad", "outputs", 1)
+_grad = _GRAD.new
 
 
 def _zero_grad(self: Optimizer, set_to_none: bool = True) -> None:
-    _ORIGINAL["zero_grad"](self, set_to_none)
+    _ZERO_GRAD.old(self, set_to_none)
     found = _owner(self)
     if found is not None:
         found[0]._on_zero_grad(self, set_to_none, found[1])
@@ -192,44 +201,29 @@ def _jit_builtins() -> dict[int, str]:
     return table
 
 
-def _install() -> None:
-    import torch.autograd as autograd
+_ZERO_GRAD = Patch(Optimizer, "zero_grad", _zero_grad)
 
-    _ORIGINAL["backward"] = autograd.backward
-    _ORIGINAL["grad"] = autograd.grad
-    _ORIGINAL["zero_grad"] = Optimizer.zero_grad
-    autograd.backward = _backward
-    autograd.grad = _grad
-    Optimizer.zero_grad = _zero_grad  # type: ignore[method-assign]
-    _forward.install()
-    # TorchScript compiles torch.autograd.grad/backward to aten ops found by the
-    # identity of the function it sees: ours must map to the same ops.
-    table = _jit_builtins()
-    table[id(_backward)] = "aten::backward"
-    table[id(_grad)] = "aten::grad"
+
+def _changes() -> list[Change]:
+    """The process-wide patches of every watcher, in the order applied."""
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
         register_optimizer_step_pre_hook,
     )
 
-    _GLOBAL_HANDLES.append(register_optimizer_step_pre_hook(_step_pre))
-    _GLOBAL_HANDLES.append(register_optimizer_step_post_hook(_step_post))
-
-
-def _uninstall() -> None:
-    import torch.autograd as autograd
-
-    # The originals stay in _ORIGINAL: a wrapper someone kept a reference to
-    # (``from torch.autograd import backward`` inside a watch block) still works.
-    autograd.backward = _ORIGINAL["backward"]
-    autograd.grad = _ORIGINAL["grad"]
-    Optimizer.zero_grad = _ORIGINAL["zero_grad"]  # type: ignore[method-assign]
-    _forward.uninstall()
+    # TorchScript compiles torch.autograd.grad/backward to aten ops found by the
+    # identity of the function it sees: ours must map to the same ops.
     table = _jit_builtins()
-    table.pop(id(_backward), None)
-    table.pop(id(_grad), None)
-    while _GLOBAL_HANDLES:
-        _GLOBAL_HANDLES.pop().remove()
+    return [_BACKWARD, _GRAD, _ZERO_GRAD,
+            Entry(table, id(_backward), "aten::backward"), Entry(table, id(_grad), "aten::grad"),
+            Hook(register_optimizer_step_pre_hook, _step_pre),
+            Hook(register_optimizer_step_post_hook, _step_post)]
+
+
+# In place while any watcher is open. The originals stay in the patches after
+# the last close: a wrapper someone kept a reference to (``from torch.autograd
+# import backward`` inside a watch block) still works.
+PATCHES = Anchor("autograd and optimizer patches", _changes)
 
 
 def _seq_clock() -> int:
@@ -401,7 +395,6 @@ class Watcher:
             self._repair = Repairer(self, repair_budget)
         self.strict = strict or stop_at_write
         self.stop_at_write = stop_at_write
-        self._saved_hooks: Any = None
         self.ledger = Ledger()
         self.reports: deque[Report] = deque(maxlen=100)
         self._names: dict[int, str] = {}
@@ -412,7 +405,10 @@ class Watcher:
         self._synced: dict[str, str] = {}
         # FSDP2 roots: their unsharded parameters appear at the first forward.
         self._sharded: set[str] = set()
-        self._handles: list[RemovableHandle | _forward.Handle] = []
+        # Everything this watcher holds of the process (forward routes, the
+        # patches, its registry entries, strict mode), taken back newest first
+        # by close() or by a failed __init__.
+        self._held: list[Removable] = []
         self._optimizers: dict[int, _OptimizerState] = {}
         self._silent: dict[int, int] = {}
         # The thread whose sequence clock each _silent entry was read on.
@@ -450,16 +446,13 @@ class Watcher:
                     self._add_root(name, module)
                 for opt in optimizers:
                     self._add_optimizer(opt, explicit=True)
+                self._held.append(PATCHES.subscribe())
+                self._held.append(_ACTIVE.add(self))
+                if self.strict:
+                    self._held.append(_strict.attach(self))
             except BaseException:
-                self._remove_hooks()
+                remove_all(self._held)
                 raise
-            if not _ACTIVE:
-                _install()
-            _ACTIVE.append(self)
-            if self.strict:
-                self._saved_hooks = _strict.attach(self)
-                if self._repair is not None:
-                    _strict.REPAIRERS.append(weakref.WeakMethod(self._strict_repair))
         self._thread_stack.append(self)
 
     # -- setup -----------------------------------------------------------------------
@@ -473,7 +466,7 @@ class Watcher:
             if key not in self._names:
                 self._names[key] = qual
                 self.ledger.track(qual, t)
-        self._handles.append(_forward.add_root(module, self, name))
+        self._held.append(_forward.add_root(module, self, name))
         if has_fsdp(module):
             self._sharded.add(name)
         inner = _distributed.buffer_synced_inner(module)
@@ -482,7 +475,7 @@ class Watcher:
             # call is its buffer broadcast: a mark there names it.
             route = f"{name}\x00sync"
             self._synced[route] = name
-            self._handles.append(_forward.add_root(inner, self, route))
+            self._held.append(_forward.add_root(inner, self, route))
 
     def _track_unsharded(self, root: str) -> None:
         # The tensors an FSDP2 forward saved are its unsharded parameters: named
@@ -1086,21 +1079,12 @@ class Watcher:
         if self._closed:
             return
         self._closed = True
+        if self._repair is not None:
+            self._repair.roots = []
         try:
-            self._remove_hooks()
-        finally:  # whatever a hook's removal raised, the watcher leaves every registry
-            with _LOCK:
-                _strict.REPAIRERS[:] = [r for r in _strict.REPAIRERS
-                                        if r() not in (None, self._strict_repair)]
-                if self._repair is not None:
-                    self._repair.roots = []
-                if self._saved_hooks is not None:
-                    _strict.detach(self, self._saved_hooks)
-                    self._saved_hooks = None
-                if self in _ACTIVE:
-                    _ACTIVE.remove(self)
-                    if not _ACTIVE:
-                        _uninstall()
+            # Each one is taken back whatever another's removal raised.
+            remove_all(self._held)
+        finally:
             if self in self._thread_stack:
                 self._thread_stack.remove(self)
 
@@ -1131,10 +1115,6 @@ class Watcher:
         if name is not None:
             h.tensor, h.key, h.requires_grad = name, own if own in names else base, True
             h.view = own not in names
-
-    def _remove_hooks(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
 
     def __enter__(self) -> Watcher:
         return self
