@@ -359,6 +359,28 @@ def test_everything_is_removed_on_exit(how: str):
             loss.backward()
 
 
+@pytest.mark.parametrize("fails_at", ["optimizer", "strict"])
+def test_a_watch_that_fails_to_open_leaves_nothing_installed(fails_at: str,
+                                                              monkeypatch: pytest.MonkeyPatch):
+    """Whatever __init__ took before it raised (routes, patches, strict mode) is given back."""
+    model = mlp()
+    if fails_at == "optimizer":  # refused after the model's route is placed
+        with pytest.raises(ValueError, match="belong to the watched modules"):
+            versionwatch.watch(model, torch.optim.SGD(mlp().parameters(), lr=0.1))
+    else:  # refused after the patches, the registry entry and strict mode's patches
+        from versionwatch import _hookstack
+
+        def refuse() -> None:
+            raise Boom("no hook entry")
+
+        monkeypatch.setattr(_hookstack, "push", refuse)
+        with pytest.raises(Boom):
+            versionwatch.watch(model, strict=True)
+    assert_unpatched()
+    assert torch.relu_ is torch._C._VariableFunctions.relu_  # strict's wrappers came off
+    assert_no_module_hooks(model)
+
+
 def test_close_twice_and_close_without_with():
     model = mlp()
     w = versionwatch.watch(model)
