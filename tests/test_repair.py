@@ -278,7 +278,7 @@ def test_nothing_to_repair_is_bitwise_default_mode_and_copies_nothing():
     repaired, w = train("repair")
     assert all(torch.equal(a, b) for a, b in zip(plain, repaired))
     assert w.repairs == [] and w.repair_summary()["copied_bytes"] == 0
-    assert w._repair.roots == []  # freed graphs are let go at the next step
+    assert w.repairer.roots == []  # freed graphs are let go at the next step
 
 
 def test_freed_graph_still_raises_freed_graph_error():

@@ -48,10 +48,10 @@ def assert_unpatched() -> None:
     assert not any("_compiled_call_impl" in vars(c) for c in (nn.Sequential, nn.Linear))
     assert not optim_mod._global_optimizer_pre_hooks
     assert not optim_mod._global_optimizer_post_hooks
-    from versionwatch import _watch
+    from versionwatch import _intercept
 
     table = torch.jit._builtins._get_builtin_table()
-    assert id(_watch._backward) not in table and id(_watch._grad) not in table
+    assert id(_intercept.backward) not in table and id(_intercept.grad) not in table
 
 
 def assert_no_module_hooks(model: nn.Module) -> None:
@@ -348,7 +348,7 @@ def test_everything_is_removed_on_exit(how: str):
         assert expected is not None and type(e) is expected
     else:
         assert expected is None
-    assert w._closed
+    assert w.closed
     assert_unpatched()
     model[1]._forward_hooks.clear()  # the test's own hook, if any
     assert_no_module_hooks(model)
@@ -422,7 +422,7 @@ def test_nested_watchers_on_two_models():
             h = info.value.report.hazards[0]
             assert h.tensor == "outer.2.weight"
             assert [m.description for m in h.modified_by] == ["SGD.step() #1"]
-        assert inner._closed and not outer._closed
+        assert inner.closed and not outer.closed
         assert_no_module_hooks(inner_model)
         assert "_compiled_call_impl" in vars(type(outer_model))
         assert torch.autograd.backward is not ORIGINAL_BACKWARD

@@ -295,7 +295,7 @@ def _run(args: argparse.Namespace) -> int:
     watcher = versionwatch.watch_all(on_hazard="log" if child else args.on_hazard,
                                      strict=args.strict, stop_at_write=args.stop_at_write)
     if child:
-        watcher._replay_at = child[0]
+        watcher.replay_at = child[0]
 
     def on_term() -> None:
         # The plain program dies of SIGTERM here, silently; so do we, once written.
@@ -392,7 +392,7 @@ def _summary(watcher: Any, err: BaseException | None) -> None:
               file=sys.stderr)
         print(watcher.timeline(), file=sys.stderr)
     else:
-        print(f"versionwatch: {watcher._backwards} backward(s) watched, no hazard",
+        print(f"versionwatch: {watcher.backward_count} backward(s) watched, no hazard",
               file=sys.stderr)
 
 

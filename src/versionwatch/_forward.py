@@ -21,6 +21,7 @@ call and a dict lookup, and it leaves ``_call_impl`` as it is, so
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from typing import Any, Callable, NamedTuple
 
@@ -88,7 +89,7 @@ def _routes_changed(live: list[Route]) -> None:
 def _adopters_changed(live: list[Any]) -> None:
     global _ADOPTERS, _ONE_SEEN
     _ADOPTERS = [weakref.ref(w) for w in live]
-    _ONE_SEEN = [live[0]._seen] if len(live) == 1 else []
+    _ONE_SEEN = [live[0].seen] if len(live) == 1 else []
 
 
 def add_root(module: nn.Module, watcher: Any, name: str) -> Subscription:
@@ -180,7 +181,7 @@ class _Route:
             return None  # the one adopter saw it: every call of a submodule ends here
         for ref in _ADOPTERS:
             w = ref()
-            if w is not None and key not in w._seen and not w._closed:
+            if w is not None and key not in w.seen and not w.closed:
                 return functools.partial(_call, weakref.ref(module))
         return None
 
@@ -198,16 +199,16 @@ def _call(target: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
         return call_impl(*args, **kwargs)
     for ref in _ADOPTERS:
         w = ref()
-        if w is not None and id(module) not in w._seen and not w._closed:
-            w._adopt_root(module)
+        if w is not None and id(module) not in w.seen and not w.closed:
+            w._adopt_root(module, sys._getframe(1))
     routes = _ROOTS.get(id(module))
     if routes is not None and len(routes) == 1:
         # One watcher of this root (the usual case): the loop below, unrolled.
         module_ref, watcher_ref, name = routes[0]
         w = watcher_ref()
-        if module_ref() is not module or w is None or w._closed:
+        if module_ref() is not module or w is None or w.closed:
             return call_impl(*args, **kwargs)
-        if not _grad_enabled() and not (w._synced or w._sharded):
+        if not _grad_enabled() and not (w.synced or w.sharded):
             # A forward that saves nothing (an acting forward of a reinforcement
             # learning loop): Watcher._on_forward's no-grad path, inline. The
             # versions before it are the last event's: it leaves no event unless
@@ -219,42 +220,42 @@ def _call(target: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
                 # None if a watched tensor died: the full path drops it.
                 before = read_versions(refs)
                 if before == last:
-                    n = w._forwards[name] = next(w._counters[name])
+                    n = w.forwards[name] = next(w.counters[name])
                     try:
                         result = call_impl(*args, **kwargs)
                     finally:
                         # A layout replaced meanwhile (a module adopted inside this
                         # forward) tracks more: the full path reads it.
-                        if not w._closed and (w.ledger._layout is not layout
+                        if not w.closed and (w.ledger._layout is not layout
                                               or read_versions(refs) != last):
                             w._on_forward(name, False, (n, before))
-                    if w._repair is not None and name in w._forwards:
-                        w._repair.outputs(result, w._label(name, w._forwards[name]))
+                    if w.repairer is not None and name in w.forwards:
+                        w.repairer.outputs(result, w.forward_label(name, w.forwards[name]))
                     return result
         token = w._on_forward(name, True)
         try:
             result = call_impl(*args, **kwargs)
         finally:
-            if not w._closed:
+            if not w.closed:
                 w._on_forward(name, False, token)
-        if w._repair is not None and name in w._forwards:
-            w._repair.outputs(result, w._label(name, w._forwards[name]))
+        if w.repairer is not None and name in w.forwards:
+            w.repairer.outputs(result, w.forward_label(name, w.forwards[name]))
         return result
     live = []
     for module_ref, watcher_ref, name in routes or ():
         w = watcher_ref()
-        if module_ref() is module and w is not None and not w._closed:
+        if module_ref() is module and w is not None and not w.closed:
             live.append((w, name, w._on_forward(name, True)))
     try:
         result = call_impl(*args, **kwargs)
     finally:
         for w, name, token in live:
-            if not w._closed:
+            if not w.closed:
                 w._on_forward(name, False, token)
     for w, name, _ in live:
         # on_hazard="repair" remembers the graph, weakly (not for DDP's sync mark)
-        if w._repair is not None and name in w._forwards:
-            w._repair.outputs(result, w._label(name, w._forwards[name]))
+        if w.repairer is not None and name in w.forwards:
+            w.repairer.outputs(result, w.forward_label(name, w.forwards[name]))
     return result
 
 

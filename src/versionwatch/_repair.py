@@ -29,12 +29,13 @@ a warning names what keeps it alive, and its backward fails as it would.
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -58,6 +59,11 @@ from versionwatch._predict import (
     _planned,
 )
 from versionwatch._report import Repair, Site, size
+
+if TYPE_CHECKING:
+    from versionwatch._protocols import RepairHost
+
+logger = logging.getLogger("versionwatch")
 
 _MIN_BUDGET = 64 << 20
 _SavedTensor: Any = SavedTensor
@@ -99,10 +105,13 @@ class _Root:
 
 
 class Repairer:
-    """One watcher's repairs: retained graphs, copies held, and their accounting."""
+    """One watcher's repairs: retained graphs, copies held, and their accounting.
 
-    def __init__(self, watcher: Any, budget: int | None) -> None:
-        self._watcher = weakref.ref(watcher)
+    ``host``, the watcher, is held weakly: its ledger gets the repair events.
+    """
+
+    def __init__(self, host: RepairHost, budget: int | None) -> None:
+        self._host = weakref.ref(host)
         self._budget = budget
         self.roots: list[_Root] = []
         self.repairs: deque[Repair] = deque(maxlen=1000)
@@ -122,7 +131,7 @@ class Repairer:
         """The most bytes copies may hold at once (default: twice the watched tensors)."""
         if self._budget is not None:
             return self._budget
-        w = self._watcher()
+        w = self._host()
         if w is None:
             return _MIN_BUDGET
         tracked = w.ledger.tracked
@@ -178,6 +187,42 @@ class Repairer:
     def note(self, repair: Repair) -> None:
         self.count += 1
         self.repairs.append(repair)
+
+    def record(self, n: int, label: str, site: Site | None) -> None:
+        """Put the last ``n`` repairs, made before ``label``, in the watcher's ledger."""
+        w = self._host()
+        new = [self.repairs[-k] for k in range(min(n, len(self.repairs)), 0, -1)]
+        nbytes = sum(r.nbytes for r in new)
+        what = new[0].tensor if n == 1 else f"{n} tensors"
+        if w is not None:
+            w.ledger.record("repair", f"kept {what} ({size(nbytes)}) before {label}", site)
+        for r in new:
+            logger.debug("versionwatch: %s", r)
+
+    @property
+    def names(self) -> dict[int, str]:
+        """The watcher's watched tensors' names, by id (strict mode's hits are routed by them)."""
+        w = self._host()
+        return w.names if w is not None else {}
+
+    def repair_write(self, label: str, site: Site | None,
+                     hits: list[tuple[torch.Tensor, Any]]) -> list[tuple[torch.Tensor, Any]]:
+        """Strict mode: a seen write is about to hit memory a live graph saved.
+
+        Returns the hits left unrepaired, which strict mode records.
+        """
+        w = self._host()
+        if w is None or w.closed:
+            return hits
+        before = self.count
+        try:
+            left = strict_hits(self, w.names, label, site, hits)
+        except Exception:  # never break the user's write: unrepaired is raised as today
+            logger.debug("versionwatch: repair before %s failed", label, exc_info=True)
+            return hits
+        if self.count > before:
+            self.record(self.count - before, label, site)
+        return left
 
     # -- default mode: live graphs ---------------------------------------------------
     def retain(self, outputs: Any, label: str, site: Site | None) -> None:
@@ -439,7 +484,7 @@ class Repairer:
 
     def _graph_label(self, node: Any, roots: list[_Root]) -> str:
         """``forward #7``: the watched forward that made ``node``, else the root's story."""
-        w = self._watcher()
+        w = self._host()
         if w is not None:
             seq = node._sequence_nr()
             me = threading.get_ident()

@@ -35,7 +35,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -59,6 +59,10 @@ from versionwatch._runtime import (
 )
 from versionwatch._sites import _is_library, is_library, site_at, user_site
 from versionwatch._torchtext import strict_message
+
+if TYPE_CHECKING:
+    from versionwatch._protocols import StrictOwner
+    from versionwatch._repair import Repairer
 
 # In-place methods that change metadata only, never memory.
 _METADATA_ONLY = frozenset({
@@ -211,14 +215,17 @@ class _State:
 
 STATE = _State()
 _LOCAL = STATE.local
+THREAD = _LOCAL
+# Storage key -> weak references of the records saved there.
+RECORDS = STATE.registry
 _Hits = list[tuple[torch.Tensor, "SavedRecord"]]
 # Open strict watchers, oldest first; weakly: one dropped without close() is
 # not kept alive by strict mode.
-OWNERS: Registry[Any] = Registry("strict watchers", weak=True)
-# ``on_hazard="repair"``: each open repairing strict watcher, oldest first,
-# weakly. Its ``_strict_repair`` is called with (label, site, hits) before a
+OWNERS: Registry[StrictOwner] = Registry("strict watchers", weak=True)
+# ``on_hazard="repair"``: each open strict watcher's repairer, oldest first,
+# weakly. Its ``repair_write`` is called with (label, site, hits) before a
 # write is recorded, and returns the hits it could not repair.
-REPAIRERS: Registry[Any] = Registry("strict repairers", weak=True)
+REPAIRERS: Registry[Repairer] = Registry("strict repairers", weak=True)
 
 
 def _repair(label: str, site: Site | None, hits: _Hits) -> _Hits:
@@ -231,20 +238,20 @@ def _repair(label: str, site: Site | None, hits: _Hits) -> _Hits:
     if not live:
         return hits
     if len(live) == 1:
-        return live[0]._strict_repair(label, site, hits)  # type: ignore[no-any-return]
+        return live[0].repair_write(label, site, hits)
     groups: dict[int, _Hits] = {}
     for t, rec in hits:
         own, base = rec.ids
         owner = len(live) - 1
         for k in range(len(live) - 1, -1, -1):
-            names = live[k]._names
+            names = live[k].names
             if own in names or (base is not None and base in names):
                 owner = k
                 break
         groups.setdefault(owner, []).append((t, rec))
     left: _Hits = []
     for k, group in groups.items():
-        left += live[k]._strict_repair(label, site, group)
+        left += live[k].repair_write(label, site, group)
     return left
 
 
@@ -273,14 +280,15 @@ def end_step() -> None:
     _LOCAL.step_frame = None
 
 
-def begin_step(label: str) -> None:
-    """Enter an optimizer step (called from its pre-hook, under ``Optimizer.step``)."""
+def begin_step(label: str, frame: FrameType | None) -> None:
+    """Enter an optimizer step; ``frame`` runs it (it calls the step's pre-hooks).
+
+    Once that frame is off the stack, the step is over even if it raised (a
+    pre-hook vetoed it). Kept by id and code: a frame holds the optimizer and
+    the step's arguments.
+    """
     _LOCAL.step = label
-    # The frame that calls the pre-hooks runs the step: once it is off the
-    # stack, the step is over even if it raised (a pre-hook vetoed it). Kept
-    # by id and code: a frame holds the optimizer and the step's arguments.
-    frame = sys._getframe(3)
-    _LOCAL.step_frame = (id(frame), frame.f_code)
+    _LOCAL.step_frame = (id(frame), frame.f_code) if frame is not None else None
 
 
 def _in_step() -> bool:
@@ -638,7 +646,7 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
                   silent_op: bool = False) -> None:
     """Record the write on every record it hits; stop here if a watcher asks to."""
     __tracebackhide__ = True
-    site = user_site(3)
+    site = user_site()
     label = _LABELS.get(name, f"{name}()" if not name.endswith(")") else name)
     context = _LOCAL.step
     if context:
@@ -668,7 +676,7 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
         h = rec.hazard("", "", "silent" if silent else "inplace", "at_write", [mod])
         hazards.append((h, rec))
     if stop is not None:
-        stop._on_strict_write([h for h, _ in hazards], [rec for _, rec in hazards])
+        stop.on_strict_write([h for h, _ in hazards], [rec for _, rec in hazards])
 
 
 def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -847,7 +855,7 @@ def _module_call(call_impl: Callable[..., Any]) -> Callable[..., Any]:
 _CALL_CODE = _module_call(nn.Module._call_impl).__code__
 
 
-def attach(owner: Any) -> Subscription:
+def attach(owner: StrictOwner) -> Subscription:
     """Start strict mode for ``owner`` on this thread; the subscription ends it.
 
     Ending it from another thread leaves this thread's hook entry inert:
@@ -858,8 +866,8 @@ def attach(owner: Any) -> Subscription:
     held: list[Removable] = [ANCHOR.subscribe()]
     try:
         held.append(OWNERS.add(owner))
-        if owner.policy == "repair":
-            held.append(REPAIRERS.add(owner))
+        if owner.repairer is not None:
+            held.append(REPAIRERS.add(owner.repairer))
         token = _hookstack.push()
     except BaseException:
         remove_all(held)
