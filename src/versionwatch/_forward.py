@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from versionwatch._compat import COMPILER_FLAG_OWNER, is_compiling, is_tracing
 from versionwatch._functorch import functorch_level
 from versionwatch._ledger import read_versions
 from versionwatch._runtime import Anchor, Change, Patch, Registry, Subscription, anchor
+
+if TYPE_CHECKING:
+    from versionwatch._protocols import Adopter, ForwardWatcher
 
 # torch.compiler, whose flag is_compiling() returns outside TorchScript: read
 # inline at every watched forward (the call costs more than the answer).
@@ -46,14 +49,14 @@ class Route(NamedTuple):
     """
 
     module: weakref.ref[nn.Module]
-    watcher: weakref.ref[Any]
+    watcher: weakref.ref[ForwardWatcher]
     name: str
 
 
 # Every route, oldest first; a route leaves with its watcher or its module.
 ROUTES: Registry[Route] = Registry("forward routes", on_change=lambda live: _routes_changed(live))
 # Open watchers that adopt every module run outside the roots they know (watch_all).
-ADOPTERS: Registry[Any] = Registry("forward adopters", weak=True,
+ADOPTERS: Registry[Adopter] = Registry("forward adopters", weak=True,
                                    on_change=lambda live: _adopters_changed(live))
 
 # Lock-free copies for the per-call path, replaced (never changed) by the
@@ -62,10 +65,10 @@ _ROOTS: dict[int, list[Route]] = {}
 # id(root module) -> what the route gives for it: a call of _call with a weak
 # reference to the root (a partial that held the module would keep it alive).
 _CALLS: dict[int, functools.partial[Any]] = {}
-_ADOPTERS: list[weakref.ref[Any]] = []
+_ADOPTERS: list[weakref.ref[Adopter]] = []
 # With one adopter open (the usual watch_all), its dict of seen module ids:
 # the route's lookup for a module it has seen, without calling its reference.
-_ONE_SEEN: list[dict[int, Any]] = []
+_ONE_SEEN: list[dict[int, weakref.ref[nn.Module]]] = []
 
 
 def _routes_changed(live: list[Route]) -> None:
@@ -86,13 +89,13 @@ def _routes_changed(live: list[Route]) -> None:
     _ROOTS, _CALLS = roots, calls
 
 
-def _adopters_changed(live: list[Any]) -> None:
+def _adopters_changed(live: list[Adopter]) -> None:
     global _ADOPTERS, _ONE_SEEN
     _ADOPTERS = [weakref.ref(w) for w in live]
     _ONE_SEEN = [live[0].seen] if len(live) == 1 else []
 
 
-def add_root(module: nn.Module, watcher: Any, name: str) -> Subscription:
+def add_root(module: nn.Module, watcher: ForwardWatcher, name: str) -> Subscription:
     """Call ``watcher._on_forward(name, ...)`` around every call of ``module``."""
     place = _route_on(type(module)).subscribe()
     route: Route | None = None
@@ -118,8 +121,8 @@ def add_root(module: nn.Module, watcher: Any, name: str) -> Subscription:
     return Subscription(remove)
 
 
-def add_adopter(watcher: Any) -> Subscription:
-    """Call ``watcher._adopt_root(module)`` for each module whose id is not in ``watcher._seen``.
+def add_adopter(watcher: Adopter) -> Subscription:
+    """Call ``watcher._adopt_root(module)`` for each module whose id is not in ``watcher.seen``.
 
     It runs before the module's routes are looked up, so an adopted root's
     first forward is recorded too.
@@ -180,8 +183,8 @@ class _Route:
         if _ONE_SEEN and key in _ONE_SEEN[0]:
             return None  # the one adopter saw it: every call of a submodule ends here
         for ref in _ADOPTERS:
-            w = ref()
-            if w is not None and key not in w.seen and not w.closed:
+            adopter = ref()
+            if adopter is not None and key not in adopter.seen and not adopter.closed:
                 return functools.partial(_call, weakref.ref(module))
         return None
 
@@ -198,9 +201,9 @@ def _call(target: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
         # parameters for its wrappers: nothing of ours to record or adopt.
         return call_impl(*args, **kwargs)
     for ref in _ADOPTERS:
-        w = ref()
-        if w is not None and id(module) not in w.seen and not w.closed:
-            w._adopt_root(module, sys._getframe(1))
+        adopter = ref()
+        if adopter is not None and id(module) not in adopter.seen and not adopter.closed:
+            adopter._adopt_root(module, sys._getframe(1))
     routes = _ROOTS.get(id(module))
     if routes is not None and len(routes) == 1:
         # One watcher of this root (the usual case): the loop below, unrolled.
