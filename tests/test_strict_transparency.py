@@ -120,7 +120,7 @@ def test_data_write_after_a_vetoed_step_is_reported():
 
 
 def test_strict_memory_stays_flat_with_a_frozen_layer():
-    from versionwatch import _strict
+    from versionwatch import _strict_records
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
@@ -134,12 +134,12 @@ def test_strict_memory_stays_flat_with_a_frozen_layer():
             model(x).sum().backward()
             opt.step()
             if step % 100 == 0:
-                lists = list(_strict.STATE.registry.values())
+                lists = list(_strict_records.RECORDS.values())  # the records' shape
                 sizes[step] = (sum(map(len, lists)), max(map(len, lists)))
     # Dead storages wait for a sweep, which keeps them under a fixed bound; the
     # refs kept for any one storage (the frozen weight's) stay few.
     late = [sizes[s] for s in sizes if s > 1000]
-    assert max(total for total, _ in late) <= 4 * _strict._PURGE_MIN, sizes
+    assert max(total for total, _ in late) <= 4 * _strict_records._PURGE_MIN, sizes
     assert max(longest for _, longest in late) <= 8, sizes
     assert installed() == {}, "closing empties the registry and takes every patch out"
 

@@ -301,7 +301,7 @@ class _Checker:
         except RuntimeError as e:
             before = len(self.hazards)
             self._error(i, fn, "fn", None, e)
-            if len(self.hazards) > before and _strict.STATE.registry:
+            if len(self.hazards) > before and _strict.RECORDS:
                 self._strict_writes(self.hazards[-1][2], input_metadata(fn))
         except Exception:
             self.unverifiable.append((fn.name(), "fn"))
@@ -324,7 +324,7 @@ class _Checker:
         # Where torch hides the base's metadata, versions and writes decide alone.
         need = math.prod(base.shape) * base.dtype.itemsize if base is not None else 0
         found = [
-            rec for refs in list(_strict.STATE.registry.values()) for r in refs
+            rec for refs in list(_strict.RECORDS.values()) for r in refs
             if (rec := r()) is not None and rec.writes and rec.version == h.saved_version
             and rec.tensor._version == h.current_version
             and (base is None or rec.tensor.dtype == base.dtype)
