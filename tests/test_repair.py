@@ -318,6 +318,28 @@ def test_budget_warns_once_names_the_list_and_the_graph_then_raises():
             losses[2].backward()  # refused: fails as it would without repair
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_budget_warning_points_at_the_users_line(strict: bool):
+    """The warning names the line that made the write (here the step), not one of ours."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    per_copy = model[2].weight.numel() * 4
+    losses, step_line = [], 0
+    with versionwatch.watch(model, opt, on_hazard="repair", strict=strict,
+                            repair_budget=2 * per_copy):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                loss = model(torch.ones(3, 4)).pow(2).mean()
+                loss.backward(retain_graph=True)
+                losses.append(loss)
+                step_line = sys._getframe().f_lineno + 1
+                opt.step()
+    budget = [c for c in caught if "repair budget" in str(c.message)]
+    assert len(budget) == 1
+    assert (budget[0].filename, budget[0].lineno) == (__file__, step_line)
+
+
 def test_bad_budget_and_env_policy(monkeypatch: pytest.MonkeyPatch):
     model = nn.Linear(2, 1)
     with pytest.raises(ValueError, match="repair_budget"):

@@ -60,6 +60,7 @@ from versionwatch._predict import (
 )
 from versionwatch._repair_strict import strict_hits
 from versionwatch._report import Repair, Site, size
+from versionwatch._sites import user_frame
 
 if TYPE_CHECKING:
     from versionwatch._protocols import RepairHost
@@ -168,17 +169,23 @@ class Repairer:
         return self.held + nbytes <= self.budget
 
     def over_budget(self, what: str, keeper: str) -> None:
-        """Say once that a graph gets no more copies, and what keeps it alive."""
+        """Say once that a graph gets no more copies, and what keeps it alive.
+
+        The warning points at the user's line that made the write (a step, an
+        in-place op): the first frame up outside the libraries, however many
+        of ours lie between.
+        """
         self.refused.append(what)
         if self._warned:
             return
         self._warned = True
+        _, level = user_frame(1)
         warnings.warn(
             f"versionwatch: repair budget of {size(self.budget)} reached ({size(self.held)} "
             f"held by copies): {what} gets no copy, so its backward fails as it would without "
             f"repair. {keeper}. Free the graphs you no longer need (del the loss, or detach "
             "what you keep), or raise watch(..., repair_budget=...)",
-            InplaceHazardWarning, stacklevel=5)
+            InplaceHazardWarning, stacklevel=level)
 
     def summary(self) -> dict[str, Any]:
         """Counts and bytes: copies made, bytes copied, peak and current bytes held."""
