@@ -45,7 +45,7 @@ from versionwatch._report import Hazard, Modification, Repair, Report, Site
 from versionwatch._runtime import Removable, remove_all
 from versionwatch._sites import user_frame, user_frame_from, user_site
 from versionwatch._strict import SavedRecord
-from versionwatch._timeline import Timeline
+from versionwatch._timeline import Timeline, of_ledger
 
 logger = logging.getLogger("versionwatch")
 
@@ -355,7 +355,7 @@ class Watcher(OptimizerEvents):
                     _inflight.name_freer(report, flight)
                 if not report.ok:
                     if any(h.kind == "freed" for h in report.hazards):
-                        self._explain_freed(report, outputs, scope)
+                        _blame.explain_freed(report, outputs, scope)
                     self._explain(report, scope)
                 if n == self.replay_at:
                     raise ReplayStop(report)
@@ -402,10 +402,6 @@ class Watcher(OptimizerEvents):
         The owner, the watcher of the first hazard's tensor, keeps the report.
         """
         return _blame.explain(self, report, scope or [self])
-
-    def _explain_freed(self, report: Report, outputs: Any, scope: list[Watcher]) -> None:
-        """Name the backward that freed each graph, and what carried it into this one."""
-        _blame.explain_freed(report, outputs, scope)
 
     def _dispatch(self, report: Report) -> None:
         __tracebackhide__ = True
@@ -457,23 +453,7 @@ class Watcher(OptimizerEvents):
             report: mark this report's saved versions (default: the latest).
         """
         report = report or (self.reports[-1] if self.reports else None)
-        hazards = report.hazards if report is not None else []
-        cols = list(names) or list(dict.fromkeys(
-            self.ledger.tracked[h.key].name for h in hazards
-            if h.key is not None and h.key in self.ledger.tracked
-        ))
-        if not cols:
-            cols = [tr.name for tr in list(self.ledger.tracked.values())[:8]]
-        unknown = [c for c in cols if c not in self.ledger.by_name]
-        if unknown:
-            raise KeyError(f"not watched: {', '.join(unknown)}; watched are e.g. "
-                           f"{', '.join(list(self.ledger.by_name)[:5])}")
-        keys = [id(self.ledger.by_name[c].ref()) for c in cols]
-        saved = {
-            (self.ledger.by_name[h.tensor].name, h.saved_version): h.saved_during or ""
-            for h in hazards if h.tensor in self.ledger.by_name
-        }
-        return Timeline(cols, self.ledger.table(keys), saved)
+        return of_ledger(self.ledger, names, report.hazards if report is not None else [])
 
     @property
     def repairs(self) -> list[Repair]:
