@@ -233,8 +233,17 @@ class Anchor:
         self.count = 0  # subscribers now; read as is on hot paths (no call)
 
     def subscribe(self) -> Subscription:
-        """Hold the anchor; the first holder applies its changes (all or none)."""
+        """Hold the anchor; the first holder applies its changes (all or none).
+
+        A keyed anchor let go by its last holder meanwhile hands over to the
+        one now kept under its key, if another was made since: one key, one
+        set of changes in place.
+        """
         with _LOCK:
+            if self._key is not None:
+                kept = _ANCHORS.get(self._key)
+                if kept is not None and kept is not self:
+                    return kept.subscribe()
             if self.count == 0:
                 self._applied = apply_all(self._changes())
                 if self._key is not None:
@@ -264,11 +273,15 @@ _SUBSCRIBED: weakref.WeakSet[Anchor] = weakref.WeakSet()
 
 
 def anchor(key: Any, name: str, changes: Callable[[], Iterable[Change]]) -> Anchor:
-    """The anchor kept under ``key`` (one per class, say), made if it has no subscriber."""
+    """The anchor kept under ``key`` (one per class, say), made if there is none.
+
+    Kept from now until its last subscriber lets go, so that two threads
+    asking at once get the same one.
+    """
     with _LOCK:
         found = _ANCHORS.get(key)
         if found is None:
-            found = Anchor(name, changes, key)
+            found = _ANCHORS[key] = Anchor(name, changes, key)
         return found
 
 
@@ -347,9 +360,9 @@ class Registry(Generic[_T]):
         return None
 
     def __bool__(self) -> bool:
-        if not self.weak:
-            return bool(self._items)
-        return any(r() is not None for r in list(self._items))
+        # No lock and no call per entry: read on paths that run per write. A
+        # weak entry whose object just died still counts until items() prunes it.
+        return bool(self._items)
 
     def __len__(self) -> int:
         return len(self.items())
