@@ -6,8 +6,9 @@ times versionwatch's own code from inside the step: it wraps the watcher's
 entry points and the predictor's phases with ``time.perf_counter`` and reports
 the mean microseconds per step of each, next to the unwatched step time.
 
-It patches private functions (``versionwatch._watch``, ``_predict``, ``_checker``,
-``_graph``, ``_ledger``), so it follows the code, not the API: update it when they move.
+It patches private functions (``versionwatch._watch``, ``_optimizers``,
+``_predict``, ``_checker``, ``_graph``, ``_ledger``, ``_sites``), so it follows the code, not
+the API: update it when they move (the tables below).
 What it cannot see: the Python-level hook dispatch (nn.Module's hook path, the
 patched ``autograd.backward`` and ``Optimizer.zero_grad`` wrappers), garbage
 collection caused by our allocations, and cache effects on torch's own work.
@@ -48,7 +49,17 @@ from overhead import (  # the models and the step
     versionwatch,
 )
 
-from versionwatch import _checker, _graph, _ledger, _predict, _report, _watch
+from versionwatch import (
+    _checker,
+    _graph,
+    _intercept,
+    _ledger,
+    _optimizers,
+    _predict,
+    _report,
+    _sites,
+    _watch,
+)
 
 TOTALS: dict[str, float] = defaultdict(float)
 COUNTS: dict[str, int] = defaultdict(int)
@@ -93,12 +104,14 @@ def _run_backward(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# Where each event's user's line is looked up (by name, as imported).
+_SITE_OWNERS = (_sites, _intercept, _optimizers)
 # (owner, attribute, label); the first group is disjoint and sums to the self time.
 TOP = [
     (_watch.Watcher, "_on_forward", "forward hooks (2 events)"),
-    (_watch.Watcher, "_on_zero_grad", "zero_grad event"),
-    (_watch.Watcher, "_on_step_pre", "step pre-hook (sync)"),
-    (_watch.Watcher, "_on_step_post", "step post-hook (event)"),
+    (_optimizers.OptimizerEvents, "_on_zero_grad", "zero_grad event"),
+    (_optimizers.OptimizerEvents, "_on_step_pre", "step pre-hook (sync)"),
+    (_optimizers.OptimizerEvents, "_on_step_post", "step post-hook (event)"),
     (_graph._Lease, "dead", "lease release (deep graphs only)"),
 ]
 INNER = [
@@ -108,7 +121,8 @@ INNER = [
     (_predict, "lease", "    lease (taking it)"),
     (_ledger.Ledger, "record", "  ledger.record (all events)"),
     (_ledger.Ledger, "sync", "  ledger.sync"),
-    (_watch, "user_site", "  user_site (all events)"),
+    # The user's line: entry points call site_from, the rest user_site, which calls it.
+    *((owner, "site_from", "  user's line (all events)") for owner in _SITE_OWNERS),
 ]
 
 
@@ -160,7 +174,7 @@ def split(s: Setup, steps: int, warmup: int) -> None:
     print(f"unwatched median step: {base * 1e3:.3f} ms; {steps} watched steps timed\n")
     print("| part | us per step | share of self time | % of unwatched step |")
     print("|---|---:|---:|---:|")
-    for label in top + [label for _, _, label in INNER]:
+    for label in dict.fromkeys(top + [label for _, _, label in INNER]):
         us = per_step.get(label, 0.0)
         name = label.replace("  ", "&nbsp;&nbsp;") if label.startswith(" ") else label
         print(f"| {name} | {us:.1f} | {us / total:.0%} | {us / (base * 1e6):.2%} |")
@@ -170,13 +184,15 @@ def split(s: Setup, steps: int, warmup: int) -> None:
 @contextlib.contextmanager
 def _stubbed(s: Setup, checks: bool = False, predict: bool = False, ledger: bool = False,
              site: bool = False) -> Any:
-    saved = [(_watch, "predict"), (_watch, "user_site"), (_ledger.Ledger, "record"),
+    saved = [(_watch, "predict"), *((o, "site_from") for o in _SITE_OWNERS),
+             (_ledger.Ledger, "record"),
              (_ledger.Ledger, "sync"), (_checker.CHECKER, "run")]
     originals = [(owner, attr, owner.__dict__[attr]) for owner, attr in saved]
     if predict:
         _watch.predict = lambda *a, **k: _report.Report()  # type: ignore[assignment]
     if site:
-        _watch.user_site = lambda skip=2: None  # type: ignore[assignment]
+        for owner in _SITE_OWNERS:
+            owner.site_from = lambda frame: None  # type: ignore[attr-defined]
     if ledger:
         _ledger.Ledger.record = lambda self, *a, **k: _ledger.Event(0, "x", "x")  # type: ignore[assignment]
         _ledger.Ledger.sync = lambda self, *a, **k: None  # type: ignore[assignment]

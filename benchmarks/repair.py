@@ -85,12 +85,12 @@ def part1(keys: list[str], quick: bool) -> None:
 def _split(s: overhead.Setup, step_s: float) -> None:
     """Repair's own work per step, timed alone: at forward, and before the step."""
     with versionwatch.watch(s.model, s.opt, on_hazard="repair") as w:
-        repairer = w._repair
+        repairer = w.repairer
         assert repairer is not None
         out = s.model(s.x)
         F.mse_loss(out, s.target).backward()
         params = [p for g in s.opt.param_groups for p in g["params"]]
-        names = w._names
+        names = w.names
         n = 2000
 
         def at_forward() -> None:

@@ -16,12 +16,13 @@ from torch.utils.data import DataLoader, TensorDataset
 pl = pytest.importorskip("lightning.pytorch")
 
 import versionwatch  # noqa: E402
-from versionwatch import _watch  # noqa: E402
+from versionwatch import _intercept  # noqa: E402
+from versionwatch._runtime import installed  # noqa: E402
 from versionwatch.integrations.lightning import VersionWatch  # noqa: E402
 
 # Captured before any watcher opens: a backward that bypasses the watcher.
 _RAW_BACKWARD = torch.autograd.backward
-assert _RAW_BACKWARD is not _watch._backward
+assert _RAW_BACKWARD is not _intercept.backward
 
 
 def _data() -> DataLoader[tuple[torch.Tensor, ...]]:
@@ -136,13 +137,13 @@ def _assert_unpatched(backward_before: object, module: nn.Module) -> None:
     assert torch.autograd.backward is backward_before
     assert torch.autograd.backward is _RAW_BACKWARD
     assert torch.autograd.grad.__module__ == "torch.autograd"
-    assert torch.optim.Optimizer.zero_grad is not _watch._zero_grad
-    assert not _watch._ACTIVE and not _watch._GLOBAL_HANDLES
+    assert torch.optim.Optimizer.zero_grad is not _intercept.zero_grad
+    assert installed() == {}  # no watcher, patch, global hook or route of ours is left
     from torch.optim import optimizer as optim_module
 
     hooks = [*optim_module._global_optimizer_pre_hooks.values(),
              *optim_module._global_optimizer_post_hooks.values()]
-    assert _watch._step_pre not in hooks and _watch._step_post not in hooks
+    assert _intercept.step_pre not in hooks and _intercept.step_post not in hooks
     for m in module.modules():
         assert not m._forward_hooks and not m._forward_pre_hooks
 
@@ -228,7 +229,7 @@ def test_clean_training_has_no_hazard(
     assert trainer.state.finished
     w = cb.watcher
     assert w is not None and not w.reports
-    assert w._backwards == (6 if isinstance(model, GAN) else 3)
+    assert w.backward_count == (6 if isinstance(model, GAN) else 3)
     [rec] = [r for r in caplog.records if r.name == "versionwatch"]
     assert rec.levelno == logging.INFO and "no hazard" in rec.getMessage()
     assert "training_step #3" in rec.getMessage()

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 import versionwatch
-from versionwatch import InplaceModificationError, _forward
+from versionwatch import InplaceModificationError
+from versionwatch._runtime import installed
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
               "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -59,7 +60,7 @@ def hooks_of(model: nn.Module) -> list[dict[str, int]]:
 
 
 def assert_registry_empty() -> None:
-    assert not _forward._ROOTS and not _forward._ADOPTERS
+    assert installed() == {}  # no route, adopter, patch or watcher of ours is left
 
 
 def test_pickle_and_torch_save_inside_a_watch(tmp_path: Path):
@@ -70,7 +71,7 @@ def test_pickle_and_torch_save_inside_a_watch(tmp_path: Path):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with watched(mode, model) as w:
             train_step(model, opt)
-            assert w._forwards  # the forward was seen: the model is watched
+            assert w.forwards  # the forward was seen: the model is watched
             inside = pickle.dumps(model)
             with_opt = pickle.dumps((model, opt))
             buf = io.BytesIO()
@@ -110,15 +111,15 @@ def test_deepcopy_inside_a_watch_carries_nothing(mode: str):
         ema = copy.deepcopy(model)  # an EMA or best-checkpoint copy
         best = copy.deepcopy(model)
         assert hooks_of(ema) == plain == hooks_of(model)
-        before = dict(w._forwards)
+        before = dict(w.forwards)
         with torch.no_grad():
             best(torch.randn(2, 4))
         if mode.startswith("watch_all"):
             # A copy that runs is a model of its own, under its own name.
-            assert w._forwards == {**before, "best": 1}
+            assert w.forwards == {**before, "best": 1}
             assert "best.0.weight" in w.ledger.by_name
         else:
-            assert w._forwards == before  # the copy is not the watched model
+            assert w.forwards == before  # the copy is not the watched model
         # The original is still watched: a stale backward is still predicted.
         out = model(torch.randn(8, 4))
         out.sum().backward(retain_graph=True)
@@ -145,7 +146,7 @@ def test_script_inside_a_watch(mode: str):
         if mode.startswith("watch_all"):
             # A scripted module run under watch_all is adopted, not refused; it
             # shares the model's parameters, which keep their first names.
-            assert w._forwards["scripted"] == 1 and "model.0.weight" in w.ledger.by_name
+            assert w.forwards["scripted"] == 1 and "model.0.weight" in w.ledger.by_name
     assert_registry_empty()
 
 
@@ -155,8 +156,7 @@ def test_watching_a_script_module_says_what_to_watch_instead():
         with pytest.raises(TypeError, match=r"cannot watch 'scripted', a ScriptModule .*"
                                              r"Watch the module you scripted"):
             versionwatch.watch(scripted)
-    assert not versionwatch._watch._ACTIVE  # refused before anything was installed
-    assert_registry_empty()
+    assert_registry_empty()  # refused before anything was installed
 
 
 def test_a_compiled_module_is_named_as_the_user_writes_it():
@@ -221,7 +221,7 @@ def test_an_open_watcher_keeps_no_deleted_model_alive(strict: bool):
             del model, opt
             gc.collect()
             assert [r() for r in refs] == [None] * len(refs)
-        assert len(w._roots) == 3  # they were watched
+        assert len(w.roots) == 3  # they were watched
     assert_registry_empty()
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import versionwatch
+from versionwatch._runtime import installed
 
 STEPS = 20
 
@@ -277,7 +278,7 @@ def test_nothing_to_repair_is_bitwise_default_mode_and_copies_nothing():
     repaired, w = train("repair")
     assert all(torch.equal(a, b) for a, b in zip(plain, repaired))
     assert w.repairs == [] and w.repair_summary()["copied_bytes"] == 0
-    assert w._repair.roots == []  # freed graphs are let go at the next step
+    assert w.repairer.roots == []  # freed graphs are let go at the next step
 
 
 def test_freed_graph_still_raises_freed_graph_error():
@@ -315,6 +316,28 @@ def test_budget_warns_once_names_the_list_and_the_graph_then_raises():
         losses[0].backward(retain_graph=True)  # repaired
         with pytest.raises(versionwatch.InplaceModificationError):
             losses[2].backward()  # refused: fails as it would without repair
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_budget_warning_points_at_the_users_line(strict: bool):
+    """The warning names the line that made the write (here the step), not one of ours."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    per_copy = model[2].weight.numel() * 4
+    losses, step_line = [], 0
+    with versionwatch.watch(model, opt, on_hazard="repair", strict=strict,
+                            repair_budget=2 * per_copy):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                loss = model(torch.ones(3, 4)).pow(2).mean()
+                loss.backward(retain_graph=True)
+                losses.append(loss)
+                step_line = sys._getframe().f_lineno + 1
+                opt.step()
+    budget = [c for c in caught if "repair budget" in str(c.message)]
+    assert len(budget) == 1
+    assert (budget[0].filename, budget[0].lineno) == (__file__, step_line)
 
 
 def test_bad_budget_and_env_policy(monkeypatch: pytest.MonkeyPatch):
@@ -600,18 +623,26 @@ def test_nested_strict_repairers_each_repair_what_they_watch():
 
 
 def test_a_watcher_whose_close_raises_still_hands_repair_back(monkeypatch):
-    from versionwatch import _strict
+    from versionwatch import _hookstack
 
     model = Seed()
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
     with versionwatch.watch({"model": model}, optim, on_hazard="repair", strict=True) as outer:
         inner = versionwatch.watch({"other": nn.Linear(2, 2)}, on_hazard="repair", strict=True)
+        real_pop = _hookstack.pop
 
-        def broken() -> None:
+        def broken(owner: object) -> None:
+            real_pop(owner)  # the entry does come off: only the error is injected
             raise RuntimeError("a hook's removal failed")
 
-        monkeypatch.setattr(inner, "_remove_hooks", broken)
-        with pytest.raises(RuntimeError, match="a hook's removal failed"):
-            inner.close()
-        assert [r() for r in _strict.REPAIRERS] == [outer._strict_repair]
-    assert _strict.REPAIRERS == []
+        with monkeypatch.context() as m:
+            m.setattr(_hookstack, "pop", broken)
+            with pytest.raises(RuntimeError, match="a hook's removal failed"):
+                inner.close()
+        assert installed()["strict repairers"] == 1 and installed()["watchers"] == 1
+        y1_pred, y2_pred = model(torch.ones(1))  # the seed story: the outer one repairs it
+        y1_pred.sum().backward(retain_graph=True)
+        optim.step()
+        y2_pred.sum().backward()
+        assert outer.repair_summary()["repairs"] >= 1
+    assert installed() == {}

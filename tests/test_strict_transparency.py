@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import versionwatch
+from versionwatch._runtime import installed
 
 
 def _script_calls(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -119,7 +120,7 @@ def test_data_write_after_a_vetoed_step_is_reported():
 
 
 def test_strict_memory_stays_flat_with_a_frozen_layer():
-    from versionwatch import _strict
+    from versionwatch import _strict_records
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
@@ -133,14 +134,14 @@ def test_strict_memory_stays_flat_with_a_frozen_layer():
             model(x).sum().backward()
             opt.step()
             if step % 100 == 0:
-                lists = list(_strict.STATE.registry.values())
+                lists = list(_strict_records.RECORDS.values())  # the records' shape
                 sizes[step] = (sum(map(len, lists)), max(map(len, lists)))
     # Dead storages wait for a sweep, which keeps them under a fixed bound; the
     # refs kept for any one storage (the frozen weight's) stay few.
     late = [sizes[s] for s in sizes if s > 1000]
-    assert max(total for total, _ in late) <= 4 * _strict._PURGE_MIN, sizes
+    assert max(total for total, _ in late) <= 4 * _strict_records._PURGE_MIN, sizes
     assert max(longest for _, longest in late) <= 8, sizes
-    assert not _strict.STATE.registry, "closing empties the registry"
+    assert installed() == {}, "closing empties the registry and takes every patch out"
 
 
 def _detach_then_backward(saved_input: bool) -> str:
@@ -319,12 +320,11 @@ def test_close_from_another_thread_takes_patches_off_and_pops_on_return():
     assert torch.relu_ is torch._C._VariableFunctions.relu_, "patches came off at once"
     assert _top_is("ours"), "our entry waits on its own thread"
     _saves_something()  # inert: nothing recorded, nothing kept
-    from versionwatch import _strict
-
-    assert not _strict.STATE.registry
+    assert installed() == {"saved-tensor hook entries pending": 1}
     with versionwatch.watch_all(strict=True):  # entering versionwatch again pops it
         pass
     assert _top_is("none")
+    assert installed() == {}
 
 
 def test_register_hooks_with_bad_arguments_gives_pytorchs_error():

@@ -412,3 +412,27 @@ def test_a_step_that_raised_is_closed_by_the_next_step() -> None:
     finally:
         release.set()
         idle.join()
+
+
+def test_a_strict_entry_left_on_a_thread_is_counted_until_the_thread_ends():
+    """Closed from another thread, a strict watcher's hook entry waits for its own thread."""
+    from versionwatch._runtime import installed
+
+    opened, finish = threading.Event(), threading.Event()
+    box: list[versionwatch.Watcher] = []
+
+    def worker() -> None:
+        box.append(versionwatch.watch_all(strict=True))
+        opened.set()
+        finish.wait(JOIN_S)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    try:
+        assert opened.wait(JOIN_S)
+        box[0].close()  # not its thread: PyTorch lets no thread pop another's hooks
+        assert installed() == {"saved-tensor hook entries pending": 1}
+    finally:
+        finish.set()
+        t.join(JOIN_S)
+    assert installed() == {}  # its stack went with the thread

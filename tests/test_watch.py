@@ -817,7 +817,7 @@ def test_an_acting_forward_is_blamed_for_its_own_writes_only():
     assert weight.description.startswith("in user code between SGD.step() #1")
     stats = w.ledger.by_name["model.1.num_batches_tracked"].history[-1].modification
     assert stats.description == "during forward #3 of model"
-    assert w._forwards["model"] == 5
+    assert w.forwards["model"] == 5
 
 
 def test_an_acting_forward_that_adopts_a_module_and_writes_it_is_recorded():

@@ -21,6 +21,7 @@ from torch import nn
 
 import versionwatch
 from versionwatch import InplaceModificationError
+from versionwatch._runtime import installed
 
 ORIGINAL_BACKWARD = torch.autograd.backward
 ORIGINAL_GRAD = torch.autograd.grad
@@ -43,16 +44,14 @@ def assert_unpatched() -> None:
     assert torch.optim.Optimizer.zero_grad is ORIGINAL_ZERO_GRAD
     assert vars(nn.Module)["_call_impl"] is ORIGINAL_CALL_IMPL
     assert vars(nn.Module)["_compiled_call_impl"] is ORIGINAL_COMPILED_CALL_IMPL
-    from versionwatch import _forward
-
-    assert not _forward._PLACED and not _forward._CALLS
+    assert installed() == {}  # no patch, route, registry entry or hook entry of ours
     assert not any("_compiled_call_impl" in vars(c) for c in (nn.Sequential, nn.Linear))
     assert not optim_mod._global_optimizer_pre_hooks
     assert not optim_mod._global_optimizer_post_hooks
-    from versionwatch import _watch
+    from versionwatch import _intercept
 
     table = torch.jit._builtins._get_builtin_table()
-    assert id(_watch._backward) not in table and id(_watch._grad) not in table
+    assert id(_intercept.backward) not in table and id(_intercept.grad) not in table
 
 
 def assert_no_module_hooks(model: nn.Module) -> None:
@@ -349,7 +348,7 @@ def test_everything_is_removed_on_exit(how: str):
         assert expected is not None and type(e) is expected
     else:
         assert expected is None
-    assert w._closed
+    assert w.closed
     assert_unpatched()
     model[1]._forward_hooks.clear()  # the test's own hook, if any
     assert_no_module_hooks(model)
@@ -358,6 +357,28 @@ def test_everything_is_removed_on_exit(how: str):
         loss = stale_loss(model, opt)
         with pytest.raises(InplaceModificationError):
             loss.backward()
+
+
+@pytest.mark.parametrize("fails_at", ["optimizer", "strict"])
+def test_a_watch_that_fails_to_open_leaves_nothing_installed(fails_at: str,
+                                                              monkeypatch: pytest.MonkeyPatch):
+    """Whatever __init__ took before it raised (routes, patches, strict mode) is given back."""
+    model = mlp()
+    if fails_at == "optimizer":  # refused after the model's route is placed
+        with pytest.raises(ValueError, match="belong to the watched modules"):
+            versionwatch.watch(model, torch.optim.SGD(mlp().parameters(), lr=0.1))
+    else:  # refused after the patches, the registry entry and strict mode's patches
+        from versionwatch import _hookstack
+
+        def refuse() -> None:
+            raise Boom("no hook entry")
+
+        monkeypatch.setattr(_hookstack, "push", refuse)
+        with pytest.raises(Boom):
+            versionwatch.watch(model, strict=True)
+    assert_unpatched()
+    assert torch.relu_ is torch._C._VariableFunctions.relu_  # strict's wrappers came off
+    assert_no_module_hooks(model)
 
 
 def test_close_twice_and_close_without_with():
@@ -401,7 +422,7 @@ def test_nested_watchers_on_two_models():
             h = info.value.report.hazards[0]
             assert h.tensor == "outer.2.weight"
             assert [m.description for m in h.modified_by] == ["SGD.step() #1"]
-        assert inner._closed and not outer._closed
+        assert inner.closed and not outer.closed
         assert_no_module_hooks(inner_model)
         assert "_compiled_call_impl" in vars(type(outer_model))
         assert torch.autograd.backward is not ORIGINAL_BACKWARD

@@ -9,7 +9,9 @@ the watcher's global step hooks the first time they step a watched parameter.
 
 from __future__ import annotations
 
+import sys
 import weakref
+from types import FrameType
 
 from torch import nn
 
@@ -30,24 +32,29 @@ class AutoWatcher(Watcher):
                          repair_budget=repair_budget)
         # id -> weak reference of every module adopted or skipped: asked at each
         # module call, where a WeakSet's lookup cost four times as much.
-        self._seen: dict[int, weakref.ref[nn.Module]] = {}
-        self._handles.append(_forward.add_adopter(self))
+        self.seen: dict[int, weakref.ref[nn.Module]] = {}
+        try:
+            self._held.append(_forward.add_adopter(self))
+        except BaseException:
+            self.close()
+            raise
         # (rank, world_size) when a root was adopted in a process group: the
         # group may be gone by the time ``versionwatch run`` names its files.
         self.rank_seen: tuple[int, int] | None = None
 
-    def _label(self, root: str, n: int) -> str:
+    def forward_label(self, root: str, n: int) -> str:
         # Roots appear one by one here, so labels always carry the root's name.
         return f"{root}.forward #{n}"
 
-    def _adopt_root(self, module: nn.Module) -> None:
+    def _adopt_root(self, module: nn.Module, caller: FrameType | None = None) -> None:
+        """Watch ``module``, a root seen running: named as in ``caller`` (its caller's frame)."""
         if next(module.parameters(), None) is None and next(module.buffers(), None) is None:
             self._see(module)  # a loss function: nothing to watch
             return
         # Once per root: DDP and FSDP2 roots first run inside their process group.
         self.rank_seen = _distributed.rank() or self.rank_seen
-        name = _variable_name(module, 2)
-        taken = set(self._roots)
+        name = _variable_name(module, caller if caller is not None else sys._getframe(1))
+        taken = set(self.roots)
         unique, k = name, 1
         while unique in taken:
             k += 1
@@ -57,7 +64,7 @@ class AutoWatcher(Watcher):
         self._add_root(unique, module)
 
     def _see(self, module: nn.Module) -> None:
-        seen, key = self._seen, id(module)
+        seen, key = self.seen, id(module)
 
         def forget(ref: weakref.ref[nn.Module]) -> None:
             if seen.get(key) is ref:  # its id may be reused by a module not seen yet

@@ -36,9 +36,9 @@ from versionwatch._compat import (
 from versionwatch._report import Hazard
 from versionwatch._runtime import Anchor, Patch
 from versionwatch._slots import COPY_SLICES, CUSTOM, PLANS, hooked, is_trusted, plan_of, planned
-from versionwatch._strict import STATE as _STRICT
-from versionwatch._strict import SavedRecord
-from versionwatch._strict import unpack as _strict_unpack
+from versionwatch._strict_records import RECORDS as _RECORDS
+from versionwatch._strict_records import SavedRecord
+from versionwatch._strict_records import unpack as _strict_unpack
 from versionwatch._torch_messages import (
     BACKWARD_SUFFIX,
     FREED,
@@ -192,7 +192,7 @@ class Checker:
         except RuntimeError as e:
             before = len(self.findings)
             self._error(i, fn, "fn", None, e)
-            if len(self.findings) > before and _STRICT.registry:
+            if len(self.findings) > before and _RECORDS:
                 _strict_writes(self.findings[-1].hazard, input_metadata(fn))
         except Exception:
             self.unverifiable.append((fn.name(), "fn"))
@@ -515,7 +515,7 @@ def _strict_writes(h: Hazard, base: Any) -> None:
     # Where torch hides the base's metadata, versions and writes decide alone.
     need = math.prod(base.shape) * base.dtype.itemsize if base is not None else 0
     found = [
-        rec for refs in list(_STRICT.registry.values()) for r in refs
+        rec for refs in list(_RECORDS.values()) for r in refs
         if (rec := r()) is not None and rec.writes and rec.version == h.saved_version
         and rec.tensor._version == h.current_version
         and (base is None or rec.tensor.dtype == base.dtype)

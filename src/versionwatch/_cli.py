@@ -16,10 +16,13 @@ import sys
 from collections.abc import Sequence
 from importlib.machinery import SourceFileLoader
 from types import ModuleType, TracebackType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from versionwatch._config import POLICIES
 from versionwatch._teardown import TermGuard
+
+if TYPE_CHECKING:
+    from versionwatch._auto import AutoWatcher
 
 USAGE = """\
 versionwatch run [--on-hazard raise|warn|log|repair] [--json PATH] [--dot PATH] [--svg PATH]
@@ -150,7 +153,7 @@ def _exit_interrupted(err: KeyboardInterrupt) -> NoReturn:
     raise err
 
 
-def _write_outputs(args: argparse.Namespace, watcher: Any, status: int,
+def _write_outputs(args: argparse.Namespace, watcher: AutoWatcher, status: int,
                    err: BaseException | str | None) -> None:
     from versionwatch._distributed import rank as current_rank
     from versionwatch._ranks import rank_path
@@ -161,7 +164,7 @@ def _write_outputs(args: argparse.Namespace, watcher: Any, status: int,
     # The group is torn down by now in most programs, and a rank whose process
     # group was set up without torchrun has no RANK: the rank seen during the run.
     rank = (current_rank() or next((r.rank for r in reports if r.rank is not None), None)
-            or getattr(watcher, "rank_seen", None))
+            or watcher.rank_seen)
     if rank is not None:  # each rank its own files, not all of them the same
         for option in ("json", "dot", "svg"):
             if getattr(args, option):
@@ -309,7 +312,7 @@ def _run(args: argparse.Namespace) -> int:
     watcher = versionwatch.watch_all(on_hazard="log" if child else args.on_hazard,
                                      strict=args.strict, stop_at_write=args.stop_at_write)
     if child:
-        watcher._replay_at = child[0]
+        watcher.replay_at = child[0]
 
     def on_term() -> None:
         # The plain program dies of SIGTERM here, silently; so do we, once written.
@@ -362,7 +365,7 @@ def _child(value: str | None) -> tuple[int, str] | None:
     return int(n), path
 
 
-def _replay(args: argparse.Namespace, watcher: Any) -> None:
+def _replay(args: argparse.Namespace, watcher: AutoWatcher) -> None:
     """Re-run the command in strict mode up to the first failing backward; merge its lines."""
     from versionwatch._replay import merge, run_child, target
 
@@ -392,7 +395,7 @@ def _merge(args: argparse.Namespace) -> int:
     return 0 if summary["ok"] else 1
 
 
-def _summary(watcher: Any, err: BaseException | None) -> None:
+def _summary(watcher: AutoWatcher, err: BaseException | None) -> None:
     from versionwatch._errors import FreedGraphError, InplaceModificationError
 
     reports = list(watcher.reports)
@@ -406,7 +409,7 @@ def _summary(watcher: Any, err: BaseException | None) -> None:
               file=sys.stderr)
         print(watcher.timeline(), file=sys.stderr)
     else:
-        print(f"versionwatch: {watcher._backwards} backward(s) watched, no hazard",
+        print(f"versionwatch: {watcher.backward_count} backward(s) watched, no hazard",
               file=sys.stderr)
 
 

@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import cast
 
-import torch
 from torch.autograd.graph import Node
 
 
@@ -197,7 +196,7 @@ class _Sentinel:
             t.draining = False
 
 
-def lease(graph: Graph, outputs: Sequence[torch.Tensor] = ()) -> None:
+def lease(graph: Graph) -> None:
     """Make freeing ``graph``'s touched nodes safe, then drop the walk's references.
 
     A graph under :data:`SHALLOW` nodes needs nothing. A deep one gets a

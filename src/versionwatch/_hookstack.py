@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from versionwatch._runtime import Call, Change, Patch, add_probe
+
 _C: Any = torch._C._autograd
 _NAMES = ("_push_saved_tensors_default_hooks", "_pop_saved_tensors_default_hooks",
           "_saved_tensors_hooks_disable", "_saved_tensors_hooks_enable")
@@ -47,7 +49,6 @@ class _Thread(threading.local):
 class _State:
     def __init__(self) -> None:
         self.ours: Hooks | None = None
-        self.real: dict[str, Any] = {}
         self.gen = 0
         self.local = _Thread()
         self.lock = threading.Lock()
@@ -70,28 +71,25 @@ def _shadow() -> list[Hooks | None]:
     return local.shadow
 
 
-def install(pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> None:
-    """Wrap the stack's entry points; ``pack``/``unpack`` are strict mode's hooks."""
-    STATE.ours = (pack, unpack)
-    STATE.gen += 1
-    real = STATE.real
-    for name in _NAMES:
-        real[name] = getattr(_C, name)
-    _C._push_saved_tensors_default_hooks = _push
-    _C._pop_saved_tensors_default_hooks = _pop
-    _C._saved_tensors_hooks_disable = _disable
-    _C._saved_tensors_hooks_enable = _enable
+def changes(pack: Callable[[torch.Tensor], Any],
+            unpack: Callable[[Any], torch.Tensor]) -> list[Change]:
+    """Wrapping the stack's entry points; ``pack``/``unpack`` are strict mode's hooks."""
+
+    def start() -> None:
+        STATE.ours = (pack, unpack)
+        STATE.gen += 1
+
+    return [Call(start, _nothing), *_PATCHES.values()]
 
 
-def uninstall() -> None:
-    real = STATE.real
-    for name in _NAMES:
-        if name in real:
-            setattr(_C, name, real.pop(name))
+def _nothing() -> None:
+    pass
 
 
 def _real(name: str) -> Any:
-    return STATE.real.get(name) or getattr(_C, name)
+    """PyTorch's own entry point: what our patch replaced while it is in place."""
+    patch = _PATCHES[name]
+    return patch.old if patch.on else getattr(_C, name)
 
 
 def push() -> tuple[int, object]:
@@ -236,3 +234,19 @@ def _enable() -> None:
             _real("_push_saved_tensors_default_hooks")(*STATE.ours)
             shadow.append(None)
         local.suspended = 0
+
+
+_PATCHES = {name: Patch(_C, name, new)
+            for name, new in zip(_NAMES, (_push, _pop, _disable, _enable))}
+
+
+def _pending() -> int:
+    """Entries that closes from other threads left for a live thread to pop."""
+    alive = {t.ident for t in threading.enumerate()}
+    with STATE.lock:
+        for ident in [i for i in STATE.pending if i not in alive]:
+            del STATE.pending[ident]  # its stack died with it
+        return sum(len(tokens) for tokens in STATE.pending.values())
+
+
+add_probe("saved-tensor hook entries pending", _pending)

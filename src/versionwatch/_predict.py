@@ -226,7 +226,7 @@ def _predict(
                 report.hazards.append(h)
     finally:
         try:
-            lease(graph)  # (it reads no outputs: no list to build)
+            lease(graph)
         finally:
             if gc_was_enabled:
                 gc.enable()

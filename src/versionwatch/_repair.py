@@ -29,12 +29,13 @@ a warning names what keeps it alive, and its backward fails as it would.
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,21 +49,29 @@ from versionwatch._compat import (
 )
 from versionwatch._errors import InplaceHazardWarning
 from versionwatch._graph import Graph, lease
+from versionwatch._repair_strict import strict_hits
 from versionwatch._report import Repair, Site, size
+from versionwatch._sites import user_frame
 from versionwatch._slots import COPY_SLICES, CUSTOM, PLANS, plan_of, planned, trust_unpack
 from versionwatch._torch_messages import FREED
+
+if TYPE_CHECKING:
+    from versionwatch._protocols import RepairHost
+    from versionwatch._repair_strict import Hits
+
+logger = logging.getLogger("versionwatch")
 
 _MIN_BUDGET = 64 << 20
 _SavedTensor: Any = SavedTensor
 
 
-def unpack(copy: torch.Tensor) -> torch.Tensor:
+def unpack_copy(copy: torch.Tensor) -> torch.Tensor:
     """The unpack hook of a repaired slot: the copy taken before the write."""
     return copy
 
 
-trust_unpack(unpack)
-allow_in_peek(unpack)
+trust_unpack(unpack_copy)
+allow_in_peek(unpack_copy)
 
 
 class _Keep:
@@ -92,10 +101,13 @@ class _Root:
 
 
 class Repairer:
-    """One watcher's repairs: retained graphs, copies held, and their accounting."""
+    """One watcher's repairs: retained graphs, copies held, and their accounting.
 
-    def __init__(self, watcher: Any, budget: int | None) -> None:
-        self._watcher = weakref.ref(watcher)
+    ``host``, the watcher, is held weakly: its ledger gets the repair events.
+    """
+
+    def __init__(self, host: RepairHost, budget: int | None) -> None:
+        self._host = weakref.ref(host)
         self._budget = budget
         self.roots: list[_Root] = []
         self.repairs: deque[Repair] = deque(maxlen=1000)
@@ -115,7 +127,7 @@ class Repairer:
         """The most bytes copies may hold at once (default: twice the watched tensors)."""
         if self._budget is not None:
             return self._budget
-        w = self._watcher()
+        w = self._host()
         if w is None:
             return _MIN_BUDGET
         tracked = w.ledger.tracked
@@ -150,17 +162,23 @@ class Repairer:
         return self.held + nbytes <= self.budget
 
     def over_budget(self, what: str, keeper: str) -> None:
-        """Say once that a graph gets no more copies, and what keeps it alive."""
+        """Say once that a graph gets no more copies, and what keeps it alive.
+
+        The warning points at the user's line that made the write (a step, an
+        in-place op): the first frame up outside the libraries, however many
+        of ours lie between.
+        """
         self.refused.append(what)
         if self._warned:
             return
         self._warned = True
+        _, level = user_frame(1)
         warnings.warn(
             f"versionwatch: repair budget of {size(self.budget)} reached ({size(self.held)} "
             f"held by copies): {what} gets no copy, so its backward fails as it would without "
             f"repair. {keeper}. Free the graphs you no longer need (del the loss, or detach "
             "what you keep), or raise watch(..., repair_budget=...)",
-            InplaceHazardWarning, stacklevel=5)
+            InplaceHazardWarning, stacklevel=level)
 
     def summary(self) -> dict[str, Any]:
         """Counts and bytes: copies made, bytes copied, peak and current bytes held."""
@@ -171,6 +189,41 @@ class Repairer:
     def note(self, repair: Repair) -> None:
         self.count += 1
         self.repairs.append(repair)
+
+    def record(self, n: int, label: str, site: Site | None) -> None:
+        """Put the last ``n`` repairs, made before ``label``, in the watcher's ledger."""
+        w = self._host()
+        new = [self.repairs[-k] for k in range(min(n, len(self.repairs)), 0, -1)]
+        nbytes = sum(r.nbytes for r in new)
+        what = new[0].tensor if n == 1 else f"{n} tensors"
+        if w is not None:
+            w.ledger.record("repair", f"kept {what} ({size(nbytes)}) before {label}", site)
+        for r in new:
+            logger.debug("versionwatch: %s", r)
+
+    @property
+    def names(self) -> dict[int, str]:
+        """The watcher's watched tensors' names, by id (strict mode's hits are routed by them)."""
+        w = self._host()
+        return w.names if w is not None else {}
+
+    def repair_write(self, label: str, site: Site | None, hits: Hits) -> Hits:
+        """Strict mode: a seen write is about to hit memory a live graph saved.
+
+        Returns the hits left unrepaired, which strict mode records.
+        """
+        w = self._host()
+        if w is None or w.closed:
+            return hits
+        before = self.count
+        try:
+            left = strict_hits(self, w.names, label, site, hits)
+        except Exception:  # never break the user's write: unrepaired is raised as today
+            logger.debug("versionwatch: repair before %s failed", label, exc_info=True)
+            return hits
+        if self.count > before:
+            self.record(self.count - before, label, site)
+        return left
 
     # -- default mode: live graphs ---------------------------------------------------
     def retain(self, outputs: Any, label: str, site: Site | None) -> None:
@@ -232,95 +285,12 @@ class Repairer:
                 live.append(root)
                 fns.append(fn)
         if fns:
-            if not self._repair_graph(fns, live, params, names, step, site):
+            if not _repair_graph(self, fns, live, params, names, step, site):
                 live = []
         with self._lock:
             # Roots another thread added meanwhile stay.
             self.roots = live + [r for r in self.roots if not any(r is o for o in seen)]
         return self.count - before
-
-    def _repair_graph(self, fns: list[Any], roots: list[_Root], params: Iterable[torch.Tensor],
-                      names: dict[int, str], step: str, site: Site | None) -> bool:
-        """Walk the live graphs; returns whether they still save any watched tensor.
-
-        The hot loop: per saved slot, one raw read, its hook and its data; a
-        slot that holds a watched tensor is a candidate; after the walk, those
-        that hold a parameter the step updates (its ``.grad`` is set) get
-        PyTorch's check and a copy. The set of updated parameters is built
-        only then: a freed graph (the common case) never needs it.
-        The walk stops at a node whose saved tensors backward freed: a backward
-        frees every node it runs, so what lies below was freed with it (a
-        generator's graph under a discriminator's, after the generator's loss
-        ran backward). Walked nodes are leased as the predictor's are.
-        """
-        graph = Graph()
-        nodes, index, nexts = graph.nodes, graph.index, graph.nexts
-        for f in fns:
-            if f not in index:
-                index[f] = len(nodes)
-                nodes.append(f)
-            graph.roots.append(index[f])
-        graph.ordered = False
-        live = False
-        matches: list[tuple[Any, Any, torch.Tensor, int, str]] = []
-        intro = SAVED_INTROSPECTION
-        plans = PLANS
-        try:
-            i = 0
-            while i < len(nodes):
-                node = nodes[i]
-                i += 1
-                freed = False
-                plan = plans.get(type(node))
-                if plan is None:
-                    plan = plan_of(node)
-                # Nothing saved, or (CopySlices) saved out of Python's reach.
-                if plan and plan is not COPY_SLICES:
-                    freed = intro and plan is not CUSTOM
-                    for _, raw_attr, saved_attr in plan:
-                        if intro:
-                            try:
-                                raw = getattr(node, raw_attr)
-                            except RuntimeError:
-                                continue
-                            if raw.__class__ is _SavedTensor:
-                                if raw.unpack_hook is not None:
-                                    freed = False
-                                    continue
-                                data = raw.data
-                                if data is None:
-                                    continue  # freed, or nothing saved
-                                freed = False
-                                base = data._base
-                                key = id(data if base is None else base)
-                                if key in names:
-                                    matches.append((node, raw, data, 1, saved_attr))
-                                continue
-                            freed = False
-                        for raw, data, how in self._slots(node, raw_attr, saved_attr):
-                            base = data._base
-                            key = id(data if base is None else base)
-                            if key in names:
-                                matches.append((node, raw, data, how, saved_attr))
-                if freed:
-                    nexts.append(())
-                    continue
-                nf = node.next_functions
-                nexts.append(nf)
-                for fn, _ in nf:
-                    if fn is not None and fn not in index:
-                        index[fn] = len(nodes)
-                        nodes.append(fn)
-            live = bool(matches)
-            if matches:
-                stepped = {id(p) for p in params if p.grad is not None}
-                matches = [m for m in matches if id(_base(m[2])) in stepped]
-            if matches:
-                self._repair_matches(matches, roots, names, step, site)
-        finally:
-            matches = []
-            lease(graph)
-        return live
 
     def _repair_matches(self, matches: list[tuple[Any, Any, torch.Tensor, int, str]],
                         roots: list[_Root], names: dict[int, str], step: str,
@@ -329,20 +299,20 @@ class Repairer:
         done: dict[str, tuple[int, str]] = {}
         copies: dict[tuple[int, int], torch.Tensor] = {}
         for node, raw, data, how, saved_attr in matches:
-            if refused or not self._fresh(node, raw, saved_attr, how):
+            if refused or not _fresh(node, raw, saved_attr, how):
                 continue
             base = data._base if data._base is not None else data
-            made = self._copy(data, base, copies)
+            made = self.copy(data, base, copies)
             if made is None:
                 refused = True
                 for r in roots:
                     r.refused = True
                 self.over_budget(f"the graph of {self._graph_label(node, roots)}",
-                                 self._keeper(roots))
+                                 _keeper(roots))
                 continue
             copy, nbytes = made
             try:
-                raw.register_hooks(_Keep(copy), unpack)
+                raw.register_hooks(_Keep(copy), unpack_copy)
             except RuntimeError:
                 continue  # a hook set meanwhile, or freed: PyTorch decides
             name = names[id(base)]
@@ -353,7 +323,7 @@ class Repairer:
         for name, (nbytes, label) in done.items():
             self.note(Repair(tensor=name, nbytes=nbytes, graph=label, before=step, site=site))
 
-    def _copy(self, data: torch.Tensor, base: torch.Tensor,
+    def copy(self, data: torch.Tensor, base: torch.Tensor,
               copies: dict[tuple[int, int], torch.Tensor]) -> tuple[torch.Tensor, int] | None:
         """A copy of ``data`` and the bytes newly copied for it, or None over budget.
 
@@ -381,58 +351,9 @@ class Repairer:
         return whole.as_strided(data.size(), data.stride(),
                                 data.storage_offset() - base.storage_offset()), nbytes
 
-    @staticmethod
-    def _slots(node: Any, raw_attr: str, saved_attr: str) -> list[tuple[Any, torch.Tensor, int]]:
-        """``(raw, tensor, how)`` of the live, unhooked tensors in one slot.
-
-        ``how`` says how to run PyTorch's version check on a match: 0 checked
-        already (old torch's read), 1 the slot's getter, 2 ``raw.unpack()``.
-        """
-        try:
-            raws = getattr(node, raw_attr)
-        except RuntimeError:
-            return []
-        if SAVED_INTROSPECTION:
-            if not isinstance(raws, (list, tuple)):
-                if raws is None or raws.unpack_hook is not None:
-                    return []
-                data = raws.data
-                return [(raws, data, 1)] if isinstance(data, torch.Tensor) else []
-            return [(raw, raw.data, 2) for raw in raws
-                    if raw is not None and raw.unpack_hook is None
-                    and isinstance(raw.data, torch.Tensor)]
-        # Old torch hides a raw saved tensor's data: read the slot, refusing any hook.
-        try:
-            value, records = peek(node, saved_attr)
-        except (HookedSaved, RuntimeError):
-            return []
-        if records:
-            return []
-        many = isinstance(raws, (list, tuple))
-        raw_list = list(raws) if many else [raws]
-        values = list(value) if isinstance(value, (list, tuple)) else [value]
-        if len(values) != len(raw_list):
-            return []
-        return [(raw, data, 0) for raw, data in zip(raw_list, values)
-                if isinstance(data, torch.Tensor) and raw is not None]
-
-    @staticmethod
-    def _fresh(node: Any, raw: Any, saved_attr: str, how: int) -> bool:
-        """PyTorch's own check: a stale slot stays as it is, and fails as it would."""
-        try:
-            if how == 1:
-                getattr(node, saved_attr)
-            elif how == 2:
-                if not SAVED_UNPACK:
-                    return False
-                raw.unpack()
-        except RuntimeError:
-            return False
-        return True
-
     def _graph_label(self, node: Any, roots: list[_Root]) -> str:
         """``forward #7``: the watched forward that made ``node``, else the root's story."""
-        w = self._watcher()
+        w = self._host()
         if w is not None:
             seq = node._sequence_nr()
             me = threading.get_ident()
@@ -442,22 +363,153 @@ class Repairer:
                     return str(ev.label)
         return f"the output of {roots[0].label}" if roots else "a live graph"
 
-    @staticmethod
-    def _keeper(roots: list[_Root]) -> str:
-        """What keeps the live graphs alive, in words (the rare, over-budget path)."""
-        parts = []
-        for root in roots[:3]:
-            where = f" at {root.site}" if root.site else ""
-            how = " (retain_graph=True)" if root.label.startswith("backward") else ""
-            text = f"the output of {root.label}{where}{how}"
-            t = root.ref()
-            if t is not None:
-                holders = [r for r in gc.get_referrers(t) if isinstance(r, list)]
-                if holders:
-                    text += (f", held in a list of {len(holders[0])} items (like "
-                             "losses.append(loss)), which keeps every such graph alive")
-            parts.append(text)
-        return "It is kept alive by " + "; ".join(parts) if parts else "It is still referenced"
+
+def _repair_graph(repairer: Repairer, fns: list[Any], roots: list[_Root],
+                  params: Iterable[torch.Tensor], names: dict[int, str], step: str,
+                  site: Site | None) -> bool:
+    """Walk the live graphs; returns whether they still save any watched tensor.
+
+    The hot loop: per saved slot, one raw read, its hook and its data; a
+    slot that holds a watched tensor is a candidate; after the walk, those
+    that hold a parameter the step updates (its ``.grad`` is set) get
+    PyTorch's check and a copy. The set of updated parameters is built
+    only then: a freed graph (the common case) never needs it.
+    The walk stops at a node whose saved tensors backward freed: a backward
+    frees every node it runs, so what lies below was freed with it (a
+    generator's graph under a discriminator's, after the generator's loss
+    ran backward). Walked nodes are leased as the predictor's are.
+    """
+    graph = Graph()
+    nodes, index, nexts = graph.nodes, graph.index, graph.nexts
+    for f in fns:
+        if f not in index:
+            index[f] = len(nodes)
+            nodes.append(f)
+        graph.roots.append(index[f])
+    graph.ordered = False
+    live = False
+    matches: list[tuple[Any, Any, torch.Tensor, int, str]] = []
+    intro = SAVED_INTROSPECTION
+    plans = PLANS
+    try:
+        i = 0
+        while i < len(nodes):
+            node = nodes[i]
+            i += 1
+            freed = False
+            plan = plans.get(type(node))
+            if plan is None:
+                plan = plan_of(node)
+            # Nothing saved, or (CopySlices) saved out of Python's reach.
+            if plan and plan is not COPY_SLICES:
+                freed = intro and plan is not CUSTOM
+                for _, raw_attr, saved_attr in plan:
+                    if intro:
+                        try:
+                            raw = getattr(node, raw_attr)
+                        except RuntimeError:
+                            continue
+                        if raw.__class__ is _SavedTensor:
+                            if raw.unpack_hook is not None:
+                                freed = False
+                                continue
+                            data = raw.data
+                            if data is None:
+                                continue  # freed, or nothing saved
+                            freed = False
+                            base = data._base
+                            key = id(data if base is None else base)
+                            if key in names:
+                                matches.append((node, raw, data, 1, saved_attr))
+                            continue
+                        freed = False
+                    for raw, data, how in _slots(node, raw_attr, saved_attr):
+                        base = data._base
+                        key = id(data if base is None else base)
+                        if key in names:
+                            matches.append((node, raw, data, how, saved_attr))
+            if freed:
+                nexts.append(())
+                continue
+            nf = node.next_functions
+            nexts.append(nf)
+            for fn, _ in nf:
+                if fn is not None and fn not in index:
+                    index[fn] = len(nodes)
+                    nodes.append(fn)
+        live = bool(matches)
+        if matches:
+            stepped = {id(p) for p in params if p.grad is not None}
+            matches = [m for m in matches if id(_base(m[2])) in stepped]
+        if matches:
+            repairer._repair_matches(matches, roots, names, step, site)
+    finally:
+        matches = []
+        lease(graph)
+    return live
+
+def _slots(node: Any, raw_attr: str, saved_attr: str) -> list[tuple[Any, torch.Tensor, int]]:
+    """``(raw, tensor, how)`` of the live, unhooked tensors in one slot.
+
+    ``how`` says how to run PyTorch's version check on a match: 0 checked
+    already (old torch's read), 1 the slot's getter, 2 ``raw.unpack()``.
+    """
+    try:
+        raws = getattr(node, raw_attr)
+    except RuntimeError:
+        return []
+    if SAVED_INTROSPECTION:
+        if not isinstance(raws, (list, tuple)):
+            if raws is None or raws.unpack_hook is not None:
+                return []
+            data = raws.data
+            return [(raws, data, 1)] if isinstance(data, torch.Tensor) else []
+        return [(raw, raw.data, 2) for raw in raws
+                if raw is not None and raw.unpack_hook is None
+                and isinstance(raw.data, torch.Tensor)]
+    # Old torch hides a raw saved tensor's data: read the slot, refusing any hook.
+    try:
+        value, records = peek(node, saved_attr)
+    except (HookedSaved, RuntimeError):
+        return []
+    if records:
+        return []
+    many = isinstance(raws, (list, tuple))
+    raw_list = list(raws) if many else [raws]
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if len(values) != len(raw_list):
+        return []
+    return [(raw, data, 0) for raw, data in zip(raw_list, values)
+            if isinstance(data, torch.Tensor) and raw is not None]
+
+def _fresh(node: Any, raw: Any, saved_attr: str, how: int) -> bool:
+    """PyTorch's own check: a stale slot stays as it is, and fails as it would."""
+    try:
+        if how == 1:
+            getattr(node, saved_attr)
+        elif how == 2:
+            if not SAVED_UNPACK:
+                return False
+            raw.unpack()
+    except RuntimeError:
+        return False
+    return True
+
+def _keeper(roots: list[_Root]) -> str:
+    """What keeps the live graphs alive, in words (the rare, over-budget path)."""
+    parts = []
+    for root in roots[:3]:
+        where = f" at {root.site}" if root.site else ""
+        how = " (retain_graph=True)" if root.label.startswith("backward") else ""
+        text = f"the output of {root.label}{where}{how}"
+        t = root.ref()
+        if t is not None:
+            holders = [r for r in gc.get_referrers(t) if isinstance(r, list)]
+            if holders:
+                text += (f", held in a list of {len(holders[0])} items (like "
+                         "losses.append(loss)), which keeps every such graph alive")
+        parts.append(text)
+    return "It is kept alive by " + "; ".join(parts) if parts else "It is still referenced"
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:
@@ -499,59 +551,6 @@ def _freed(fn: Any) -> bool:
         if len(nodes) < 8:
             nodes += [n for n, _ in node.next_functions if n is not None]
     return False
-
-
-# -- strict mode ----------------------------------------------------------------------
-
-def strict_hits(repairer: Repairer, names: dict[int, str], label: str, site: Site | None,
-                hits: list[tuple[torch.Tensor, Any]]) -> list[tuple[torch.Tensor, Any]]:
-    """Swap each hit record's tensor for a copy; return the hits left to record.
-
-    A record that is stale already, or was written silently before, keeps its
-    hazard. Records repaired earlier are written no more: their tensor is a copy.
-    """
-    left: list[tuple[torch.Tensor, Any]] = []
-    done: dict[str, tuple[int, str]] = {}
-    # Records of one memory (sigmoid's result and the next layer's input are
-    # one tensor, saved twice) share one copy.
-    shared: dict[tuple[Any, ...], torch.Tensor] = {}
-    for t, rec in hits:
-        if rec in _REPAIRED:
-            continue
-        cur = rec.tensor
-        if cur._version != rec.version or rec._silent or rec in _REFUSED:
-            left.append((t, rec))
-            continue
-        geometry = (cur.data_ptr(), cur.dtype, tuple(cur.shape), cur.stride(), cur._version)
-        copy = shared.get(geometry)
-        nbytes = 0
-        if copy is None:
-            made = repairer._copy(cur, cur, {})
-            if made is None:
-                _REFUSED.add(rec)
-                repairer.over_budget(f"the graph of {_forward_of(rec)}",
-                                     "It is kept alive by a tensor (a loss, an output) you "
-                                     "still hold")
-                left.append((t, rec))
-                continue
-            copy, nbytes = made
-            shared[geometry] = copy
-        rec.tensor = copy
-        rec.version = copy._version
-        _REPAIRED.add(rec)
-        own, base_id = rec.ids
-        name = names.get(own) or (names.get(base_id) if base_id is not None else None)
-        if name is None:
-            what = f"{str(cur.dtype).replace('torch.', '')}{list(cur.shape)}"
-            name = f"an activation ({what}"
-            name += f", saved in {rec.module})" if rec.module else ")"
-        entry = done.get(name)
-        if entry is None:
-            entry = (0, _forward_of(rec))
-        done[name] = (entry[0] + nbytes, entry[1])
-    for name, (nbytes, graph) in done.items():
-        repairer.note(Repair(tensor=name, nbytes=nbytes, graph=graph, before=label, site=site))
-    return left
 
 
 def _laid_out(t: torch.Tensor) -> bool:
@@ -597,11 +596,3 @@ def _copy_as_laid_out(t: torch.Tensor) -> torch.Tensor:
     except RuntimeError:  # strides no copy can write to (an overlap)
         return src.clone()
     return out
-
-
-def _forward_of(rec: Any) -> str:
-    return rec.forward.split(" at ")[0] if rec.forward else "code outside watched forwards"
-
-
-_REPAIRED: weakref.WeakSet[Any] = weakref.WeakSet()
-_REFUSED: weakref.WeakSet[Any] = weakref.WeakSet()

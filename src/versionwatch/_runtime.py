@@ -8,13 +8,16 @@ registries of open watchers. Each such thing is an :class:`Anchor`: a set of
 last (pyinstrument's subscribe/unsubscribe), with one rollback path: a change
 that fails to apply takes back the ones applied before it. A subscription is a
 :class:`Subscription`, which removes like ``torch.utils.hooks.RemovableHandle``
-and doubles as a context manager.
+and doubles as a context manager; :func:`remove_all` gives back a list of them
+(and of torch's handles) newest first, whatever one of them raises.
 
-Registries of live objects (open watchers, strict records' storages) are
-:class:`Registry` entries, also visible here. :func:`installed` lists every
-anchor with subscribers and every non-empty registry: empty once every watcher
-is closed, whatever raised and whichever thread closed it. Tests assert on it
-instead of reading private state.
+Live objects of one kind (open watchers, forward routes) are kept in a
+:class:`Registry`, also visible here; state kept in a form of its own (strict
+mode's saved records, hook entries left for another thread) is shown through a
+probe (:func:`add_probe`). :func:`installed` lists every anchor with
+subscribers, every non-empty registry and every probe that is not zero: empty
+once every watcher is closed, whatever raised and whichever thread closed it.
+Tests assert on it instead of reading private state.
 """
 
 from __future__ import annotations
@@ -45,31 +48,36 @@ class Patch:
     nothing (the attribute was inherited), so a class goes back exactly as it was.
     """
 
-    __slots__ = ("attr", "had", "new", "old", "owner")
+    __slots__ = ("attr", "had", "new", "old", "on", "owner")
 
     def __init__(self, owner: Any, attr: str, new: Any) -> None:
         self.owner = owner
         self.attr = attr
         self.new = new
+        # What ``owner.attr`` was when last applied. It stays after the
+        # restore: a wrapper someone kept (``from torch.autograd import
+        # backward`` inside a watch block) still reaches the original.
         self.old: Any = _MISSING
         self.had = False
+        self.on = False  # applied now
 
     def apply(self) -> None:
         own = vars(self.owner)
         self.had = self.attr in own
         self.old = own[self.attr] if self.had else getattr(self.owner, self.attr, _MISSING)
         setattr(self.owner, self.attr, self.new)
+        self.on = True
 
     def restore(self) -> None:
+        self.on = False
         if self.had:
             setattr(self.owner, self.attr, self.old)
         elif self.attr in vars(self.owner):
             delattr(self.owner, self.attr)
-        self.old = _MISSING
 
     @property
     def original(self) -> Any:
-        """What ``owner.attr`` was before the patch (while applied)."""
+        """What ``owner.attr`` was before the patch (kept after the restore)."""
         return self.old
 
     def __repr__(self) -> str:
@@ -155,31 +163,52 @@ def restore_all(changes: list[Change]) -> None:
         raise error
 
 
+class Removable(Protocol):
+    """Anything removed by ``remove()``: a :class:`Subscription`, a ``RemovableHandle``."""
+
+    def remove(self) -> None: ...
+
+
 class Subscription:
-    """One subscriber's hold on an :class:`Anchor`; ``remove()`` lets go (twice is fine).
+    """One hold on process-wide state; ``remove()`` lets go (twice is fine).
 
     Like ``torch.utils.hooks.RemovableHandle``, it is also a context manager.
     """
 
-    __slots__ = ("__weakref__", "_anchor")
+    __slots__ = ("__weakref__", "_release")
 
-    def __init__(self, anchor: Anchor) -> None:
-        self._anchor: Anchor | None = anchor
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release: Callable[[], None] | None = release
 
     def remove(self) -> None:
-        anchor, self._anchor = self._anchor, None
-        if anchor is not None:
-            anchor._release()
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     @property
     def active(self) -> bool:
-        return self._anchor is not None
+        return self._release is not None
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def remove_all(held: list[Removable]) -> None:
+    """Remove ``held`` newest first, emptying it; every one is tried, the first error is raised.
+
+    The one rollback path: what a failed setup took, and what a close gives back.
+    """
+    error: BaseException | None = None
+    while held:
+        try:
+            held.pop().remove()
+        except BaseException as e:  # the rest must still go
+            error = error or e
+    if error is not None:
+        raise error
 
 
 _ANCHORS: dict[Any, Anchor] = {}
@@ -201,18 +230,27 @@ class Anchor:
         self._changes = changes
         self._applied: list[Change] = []
         self._key = key
-        self.count = 0
+        self.count = 0  # subscribers now; read as is on hot paths (no call)
 
     def subscribe(self) -> Subscription:
-        """Hold the anchor; the first holder applies its changes (all or none)."""
+        """Hold the anchor; the first holder applies its changes (all or none).
+
+        A keyed anchor let go by its last holder meanwhile hands over to the
+        one now kept under its key, if another was made since: one key, one
+        set of changes in place.
+        """
         with _LOCK:
+            if self._key is not None:
+                kept = _ANCHORS.get(self._key)
+                if kept is not None and kept is not self:
+                    return kept.subscribe()
             if self.count == 0:
                 self._applied = apply_all(self._changes())
                 if self._key is not None:
                     _ANCHORS[self._key] = self
             self.count += 1
         _SUBSCRIBED.add(self)
-        return Subscription(self)
+        return Subscription(self._release)
 
     def _release(self) -> None:
         with _LOCK:
@@ -235,11 +273,15 @@ _SUBSCRIBED: weakref.WeakSet[Anchor] = weakref.WeakSet()
 
 
 def anchor(key: Any, name: str, changes: Callable[[], Iterable[Change]]) -> Anchor:
-    """The anchor kept under ``key`` (one per class, say), made if it has no subscriber."""
+    """The anchor kept under ``key`` (one per class, say), made if there is none.
+
+    Kept from now until its last subscriber lets go, so that two threads
+    asking at once get the same one.
+    """
     with _LOCK:
         found = _ANCHORS.get(key)
         if found is None:
-            found = Anchor(name, changes, key)
+            found = _ANCHORS[key] = Anchor(name, changes, key)
         return found
 
 
@@ -249,25 +291,54 @@ _T = TypeVar("_T")
 class Registry(Generic[_T]):
     """Live objects of one kind (open watchers, say), oldest first, shown by :func:`installed`.
 
-    ``weak``: entries are held by weak reference and drop out when collected.
+    ``add`` returns the :class:`Subscription` that takes the entry out again.
+    Entries are told apart by identity, never by ``==``.
+
+    Args:
+        name: what :func:`installed` calls it.
+        weak: entries are held by weak reference, so that an object dropped
+            without being taken out can still be collected; they drop out then.
+        on_change: called with the live entries after each add and removal,
+            under the registry's lock: a hot path's lock-free copy is made there.
     """
 
-    __slots__ = ("_items", "name", "weak")
+    __slots__ = ("_items", "name", "on_change", "weak")
 
-    def __init__(self, name: str, weak: bool = False) -> None:
+    def __init__(self, name: str, weak: bool = False,
+                 on_change: Callable[[list[_T]], None] | None = None) -> None:
         self.name = name
         self.weak = weak
+        self.on_change = on_change
         self._items: list[Any] = []
         _REGISTRIES.append(self)
 
-    def add(self, item: _T) -> None:
+    def add(self, item: _T) -> Subscription:
+        """Enter ``item`` (newest last); the subscription takes it out."""
+        entry: Any = weakref.ref(item) if self.weak else item
         with _LOCK:
-            self._items.append(weakref.ref(item) if self.weak else item)
+            self._items.append(entry)
+            self._changed()
+        return Subscription(lambda: self._take(entry))
+
+    def _take(self, entry: Any) -> None:
+        with _LOCK:
+            for i, e in enumerate(self._items):
+                if e is entry:
+                    del self._items[i]
+                    self._changed()
+                    return
 
     def discard(self, item: _T) -> None:
+        """Take out every entry of ``item`` (an object that died, say)."""
         with _LOCK:
-            self._items[:] = [r for r in self._items
-                              if (r() if self.weak else r) not in (item, None)]
+            kept = [e for e in self._items if (e() if self.weak else e) is not item]
+            if len(kept) != len(self._items):
+                self._items[:] = kept
+                self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.items())
 
     def items(self) -> list[_T]:
         """The live entries, oldest first (a copy: safe while others add)."""
@@ -276,11 +347,22 @@ class Registry(Generic[_T]):
                 return list(self._items)
             live = [x for x in (r() for r in self._items) if x is not None]
             if len(live) != len(self._items):
-                self._items[:] = [weakref.ref(x) for x in live]
+                self._items[:] = [r for r in self._items if r() is not None]
             return live
 
+    def newest(self) -> _T | None:
+        """The entry added last that is still alive, else None."""
+        with _LOCK:
+            for e in reversed(self._items):
+                item = e() if self.weak else e
+                if item is not None:
+                    return item  # type: ignore[no-any-return]
+        return None
+
     def __bool__(self) -> bool:
-        return bool(self.items()) if self.weak else bool(self._items)
+        # No lock and no call per entry: read on paths that run per write. A
+        # weak entry whose object just died still counts until items() prunes it.
+        return bool(self._items)
 
     def __len__(self) -> int:
         return len(self.items())

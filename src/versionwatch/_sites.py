@@ -73,20 +73,53 @@ def user_frame(skip: int = 1) -> tuple[FrameType | None, int]:
     return frame, level
 
 
+def user_frame_from(frame: FrameType | None) -> FrameType | None:
+    """The first frame outside the libraries, from ``frame`` (an entry point's caller) up."""
+    known = _is_library
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        hit = known.get(filename)
+        if hit is None:
+            hit = is_library(filename)
+        if not hit:
+            return frame
+        frame = frame.f_back
+    return None
+
+
 # (file, line) -> Site: a training loop asks for the same few lines at every
 # step. A Site shows its path relative to the working directory when read.
 _SITES: dict[tuple[str, int], Site] = {}
 
 
-def user_site(skip: int = 2) -> Site | None:
-    """``file:line`` (and the source line) of the user's code that called into us."""
-    # (user_frame(skip) counts from its own frame, one below this one.)
-    frame, _ = user_frame(skip)
-    if frame is None:
-        return None
-    filename, line = frame.f_code.co_filename, frame.f_lineno
-    site = _SITES.get((filename, line))  # site_at's cache, inline: four a training step
-    return site if site is not None else site_at(filename, line)
+def site_from(frame: FrameType | None) -> Site | None:
+    """``file:line`` (and the source line) of the first user frame from ``frame`` up.
+
+    An entry point passes its caller's frame: the answer then does not
+    depend on how many of our frames lie between it and the code that asks.
+    """
+    known = _is_library
+    while frame is not None:
+        # The walk and site_at's cache, inline: four of these a training step.
+        filename = frame.f_code.co_filename
+        hit = known.get(filename)
+        if hit is None:
+            hit = is_library(filename)
+        if not hit:
+            line = frame.f_lineno
+            site = _SITES.get((filename, line))
+            return site if site is not None else site_at(filename, line)
+        frame = frame.f_back
+    return None
+
+
+def user_site() -> Site | None:
+    """``file:line`` (and the source line) of the user's code that called into us.
+
+    The walk starts at the function that asks: every frame from there up to
+    the user's is a library's (ours, torch's), however the code is arranged.
+    """
+    return site_from(sys._getframe(1))
 
 
 def site_at(filename: str, line: int) -> Site:

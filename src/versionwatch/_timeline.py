@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import html
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from versionwatch._ledger import Event
+
+if TYPE_CHECKING:
+    from versionwatch._ledger import Ledger
+    from versionwatch._report import Hazard
 
 
 class Timeline:
@@ -84,3 +89,29 @@ class Timeline:
             for ev, cells in self._cells()
         )
         return f"<table><tr><th>event</th><th>at</th>{head}</tr>{rows}</table>"
+
+
+def of_ledger(ledger: Ledger, names: Sequence[str], hazards: list[Hazard]) -> Timeline:
+    """The timeline of ``names`` in ``ledger``, marking ``hazards``' saved versions.
+
+    By default: the tensors involved in the hazards, else the first eight watched.
+
+    Raises:
+        KeyError: a name that the ledger does not watch.
+    """
+    cols = list(names) or list(dict.fromkeys(
+        ledger.tracked[h.key].name for h in hazards
+        if h.key is not None and h.key in ledger.tracked
+    ))
+    if not cols:
+        cols = [tr.name for tr in list(ledger.tracked.values())[:8]]
+    unknown = [c for c in cols if c not in ledger.by_name]
+    if unknown:
+        raise KeyError(f"not watched: {', '.join(unknown)}; watched are e.g. "
+                       f"{', '.join(list(ledger.by_name)[:5])}")
+    keys = [id(ledger.by_name[c].ref()) for c in cols]
+    saved = {
+        (ledger.by_name[h.tensor].name, h.saved_version): h.saved_during or ""
+        for h in hazards if h.tensor in ledger.by_name
+    }
+    return Timeline(cols, ledger.table(keys), saved)

@@ -196,7 +196,7 @@ class VersionWatch(pl.Callback):
                     # PyTorch's own error, from a backward the watcher did not predict
                     # (it bypassed torch.autograd.backward): explain it from the ledger.
                     w.ledger.sync("the failed backward")
-                    w._after_error(err, None, None)
+                    w.explain_error(err)
                     notes = _notes(err)
                 if not notes:
                     return
@@ -221,7 +221,7 @@ class VersionWatch(pl.Callback):
 
     def _log_summary(self, w: Watcher) -> None:
         hazards = len(w.reports)
-        backwards = w._backwards
+        backwards = w.backward_count
         if hazards:
             kept = w.reports.maxlen
             count = f"{hazards}+" if kept is not None and hazards >= kept else str(hazards)

@@ -1,0 +1,155 @@
+"""Where a training loop's events enter versionwatch, and the patches that put them there.
+
+While any watcher is open (:data:`PATCHES`, an anchor of :mod:`_runtime`):
+
+- ``torch.autograd.backward`` and ``grad`` are replaced by stand-ins that hand
+  the call to the watcher, which predicts it before it runs (``Tensor.backward``,
+  GradScaler, Accelerate's ``accelerator.backward`` and Lightning's manual
+  backward all end there);
+- ``Optimizer.zero_grad`` is replaced, and two global optimizer step hooks
+  (pre and post) are registered;
+- TorchScript's builtin table maps the stand-ins to the ops of the originals.
+
+Each entry point finds the watcher the event belongs to (:mod:`_active`) and
+captures what only it knows: the user's line, and for a step the frame that
+runs it. Forwards enter through :mod:`_forward`'s route instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.jit._builtins as _builtins
+from torch.optim import Optimizer
+
+from versionwatch._active import _LOCAL, ACTIVE, current, thread_stack
+from versionwatch._arguments import read_once
+from versionwatch._functorch import in_functorch_transform
+from versionwatch._runtime import Anchor, Change, Entry, Hook, Patch
+from versionwatch._sites import site_from
+
+if TYPE_CHECKING:
+    from versionwatch._optimizers import OptimizerState
+    from versionwatch._protocols import OpenWatcher
+
+
+def owner(opt: Optimizer) -> tuple[OpenWatcher, OptimizerState] | None:
+    """The open watcher that watches ``opt``'s parameters (innermost first), and its state.
+
+    With nested watchers an outer model's optimizer must reach the outer
+    watcher, not the innermost one, which would ignore it.
+    """
+    local = _LOCAL.__dict__  # busy and stack, read without two getattr calls
+    if local.get("busy"):
+        return None
+    stack: list[OpenWatcher] | None = local.get("stack")
+    if stack is None:
+        stack = thread_stack()
+    if len(stack) == 1:  # one watcher on this thread: no list to build
+        candidates = stack
+    elif stack:
+        candidates = stack[::-1]
+    else:
+        candidates = ACTIVE.items()[::-1]
+    for w in candidates:
+        if not w.closed:
+            state = w._optimizer(opt)
+            if state is not None:
+                return w, state
+    return None
+
+
+def _patched(api: str, first: str, inputs_at: int) -> Patch:
+    """A stand-in for ``torch.autograd.<api>`` that predicts before it calls the original.
+
+    ``first`` is the name of the outputs argument, ``inputs_at`` the position of
+    ``inputs`` in the original's signature.
+    """
+
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        original = patch.old
+        w = current()
+        if w is None:
+            return original(*args, **kwargs)
+        outputs = args[0] if args else kwargs.get(first)
+        inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
+        # loss.backward() passes a tensor and no inputs: skip the ABC checks (slow).
+        if (type(outputs) is not torch.Tensor or inputs is not None) and (
+                isinstance(outputs, Iterator) or isinstance(inputs, Iterator)):
+            args, kwargs = read_once(args, kwargs, first, inputs_at)
+            outputs = args[0] if args else kwargs.get(first)
+            inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
+        if in_functorch_transform(outputs, inputs):
+            w._step_aside()
+            return original(*args, **kwargs)
+        return w._run_backward(api, outputs, inputs, lambda: original(*args, **kwargs),
+                               (args, kwargs), site_from(sys._getframe(1)))
+
+    patched.__name__ = patched.__qualname__ = api
+    patch = Patch(torch.autograd, api, patched)
+    return patch
+
+
+# backward(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+_BACKWARD = _patched("backward", "tensors", 5)
+backward: Callable[..., Any] = _BACKWARD.new
+# grad(outputs, inputs, ...)
+_GRAD = _patched("grad", "outputs", 1)
+grad: Callable[..., Any] = _GRAD.new
+
+
+def zero_grad(self: Optimizer, set_to_none: bool = True) -> None:
+    """``Optimizer.zero_grad`` while a watcher is open: the original, then the event."""
+    _ZERO_GRAD.old(self, set_to_none)
+    found = owner(self)
+    if found is not None:
+        found[0]._on_zero_grad(self, set_to_none, found[1], site_from(sys._getframe(1)))
+
+
+_ZERO_GRAD = Patch(Optimizer, "zero_grad", zero_grad)
+
+
+def step_pre(opt: Optimizer, args: Any, kwargs: Any) -> None:
+    """The global optimizer step pre-hook; its caller is the frame that runs the step."""
+    found = owner(opt)
+    if found is not None:
+        found[0]._on_step_pre(opt, found[1], sys._getframe(1))
+
+
+def step_post(opt: Optimizer, args: Any, kwargs: Any) -> None:
+    """The global optimizer step post-hook."""
+    found = owner(opt)
+    if found is not None:
+        found[0]._on_step_post(opt, found[1])
+
+
+def jit_builtins() -> dict[int, str]:
+    """TorchScript's table of Python functions it compiles as aten ops, by ``id``."""
+    table: dict[int, str] = _builtins._get_builtin_table()  # type: ignore[no-untyped-call]
+    return table
+
+
+def _changes() -> list[Change]:
+    """The process-wide patches of every watcher, in the order applied."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    # TorchScript compiles torch.autograd.grad/backward to aten ops found by the
+    # identity of the function it sees: ours must map to the same ops.
+    table = jit_builtins()
+    return [_BACKWARD, _GRAD, _ZERO_GRAD,
+            Entry(table, id(backward), "aten::backward"), Entry(table, id(grad), "aten::grad"),
+            Hook(register_optimizer_step_pre_hook, step_pre),
+            Hook(register_optimizer_step_post_hook, step_post)]
+
+
+# In place while any watcher is open. The originals stay in the patches after
+# the last close: a wrapper someone kept a reference to (``from torch.autograd
+# import backward`` inside a watch block) still works.
+PATCHES = Anchor("autograd and optimizer patches", _changes)
