@@ -11,3 +11,7 @@ if importlib.util.find_spec("lightning") is None and (
     # The Lightning callback imports Lightning; without it (pip install -e '.[test]'),
     # skip its module instead of failing the doctest collection.
     collect_ignore.append("src/versionwatch/integrations/lightning.py")
+
+# Programs that the tests run as scripts (under versionwatch run, or patched by
+# versionwatch fix): --doctest-modules must not import, and so run, them.
+collect_ignore_glob = ["tests/explain_programs/*", "tests/fix_programs/*"]
