@@ -359,3 +359,29 @@ def test_unwritable_outputs_keep_the_programs_exit_status(tmp_path: Path):
         ["versionwatch", "error", f"cannot write {o} no/vw.{o[2:]}"]
         for o in ("--json", "--dot", "--svg")], errors
 
+
+
+def test_bad_environment_variables_are_one_line_errors(tmp_path: Path):
+    """Issue #23, item 9: every variable versionwatch reads, given garbage."""
+    (tmp_path / "prog.py").write_text("print('ran')\n")
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("VERSIONWATCH_ON_HAZARD", "RANK", "WORLD_SIZE")}
+    # Ours: refused before the program runs, as --on-hazard garbage is.
+    r = vw("run", "prog.py", cwd=tmp_path, env={**base, "VERSIONWATCH_ON_HAZARD": "garbage"})
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", (
+        "versionwatch run: error: VERSIONWATCH_ON_HAZARD='garbage' is not a valid policy; "
+        "use one of: raise, warn, log, repair\n"))
+    r = vw("run", "--on-hazard", "garbage", "prog.py", cwd=tmp_path, env=base)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    # torchrun's: they only label the report, and the program decides what they mean;
+    # garbage there is no distributed run, and the run is the plain one.
+    for env in ({"RANK": "zero", "WORLD_SIZE": "2"}, {"RANK": "0", "WORLD_SIZE": "two"}):
+        r = vw("run", "--json", "o.json", "prog.py", cwd=tmp_path, env={**base, **env})
+        assert (r.returncode, r.stdout) == (0, "ran\n"), r.stderr
+        assert "Traceback" not in r.stderr
+        assert "rank" not in json.loads((tmp_path / "o.json").read_text())
+    # --replay decides by WORLD_SIZE whether it may re-run the program: it says so.
+    r = vw("run", "--replay", "prog.py", cwd=tmp_path, env={**base, "WORLD_SIZE": "two"})
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", (
+        "versionwatch run: error: --replay reads WORLD_SIZE to refuse distributed runs, and "
+        "WORLD_SIZE='two' is not a whole number\n"))

@@ -444,6 +444,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     if args.command == "merge":
         return _merge(args)
+    if args.command == "run":
+        from versionwatch._config import env_problem
+
+        problem = env_problem()
+        if problem is not None:  # as argparse says a bad --on-hazard, before anything runs
+            print(f"versionwatch run: error: {problem}", file=sys.stderr)
+            return 2
     if args.command == "demo":
         from versionwatch._demo import main as demo
 

@@ -30,7 +30,9 @@ def refusal() -> str | None:
     try:
         size = int(world)
     except ValueError:
-        size = 1
+        # Not guessed either way: one rank replayed alone would wait forever.
+        return (f"versionwatch run: error: --replay reads WORLD_SIZE to refuse distributed "
+                f"runs, and WORLD_SIZE={world!r} is not a whole number")
     if size > 1:
         return (f"versionwatch run: --replay does not support distributed runs yet "
                 f"(WORLD_SIZE={world}): re-running one rank alone would wait for the "
