@@ -385,3 +385,35 @@ def test_bad_environment_variables_are_one_line_errors(tmp_path: Path):
     assert (r.returncode, r.stdout, r.stderr) == (2, "", (
         "versionwatch run: error: --replay reads WORLD_SIZE to refuse distributed runs, and "
         "WORLD_SIZE='two' is not a whole number\n"))
+
+
+CHDIR = SEED.replace("model = Model()", textwrap.dedent("""\
+    import os
+    print(sys.argv[0], __file__, flush=True)
+    os.chdir(sys.argv[1])
+    print(sys.argv[0], __file__, flush=True)
+    model = Model()"""))
+
+
+def test_outputs_and_replay_survive_a_chdir(tmp_path: Path):
+    """Issue #23, item 5: the paths given are the command's, whatever the script's cwd."""
+    (tmp_path / "train.py").write_text(CHDIR)
+    (tmp_path / "elsewhere").mkdir()
+    # A stand-in for Graphviz's dot, run from the script's new working directory.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dot").write_text("#!/bin/sh\ncat > \"$3\"\n")
+    (bin_dir / "dot").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    plain = python("train.py", "elsewhere", cwd=tmp_path)
+    r = vw("run", "--json", "o.json", "--dot", "o.dot", "--svg", "o.svg", "--replay",
+           "train.py", "elsewhere", cwd=tmp_path, env=env)
+    assert r.returncode == 1 and r.stdout == plain.stdout, r.stderr
+    # sys.argv[0] as typed, __file__ absolute: as python gives them, before and after.
+    assert r.stdout == f"train.py {tmp_path / 'train.py'}\n" * 2
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == []
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert doc["hazards"][0]["tensor"] == "model.w3"
+    assert "same hazard at backward #" in doc["hazards"][0]["replay"], doc["hazards"][0]
+    assert (tmp_path / "o.dot").read_text().startswith("digraph")
+    assert (tmp_path / "o.svg").read_text() == (tmp_path / "o.dot").read_text()

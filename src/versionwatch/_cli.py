@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-_FORWARD_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_forward.py")
+_CLI_FILE = os.path.abspath(__file__)
+_FORWARD_FILE = os.path.join(os.path.dirname(_CLI_FILE), "_forward.py")
 
 
 def _print_uncaught(err: BaseException) -> None:
@@ -97,7 +98,7 @@ def _print_uncaught(err: BaseException) -> None:
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
         if not (name.endswith("runpy.py") or "<frozen runpy>" in name
-                or os.path.abspath(name) == os.path.abspath(__file__)
+                or os.path.abspath(name) == _CLI_FILE
                 # The forward route's frame between torch's own: not in a plain run.
                 or os.path.abspath(name) == _FORWARD_FILE
                 or (ours and is_library(name))):
@@ -148,10 +149,16 @@ def _write_outputs(args: argparse.Namespace, watcher: Any, status: int,
     # group was set up without torchrun has no RANK: the rank seen during the run.
     rank = (current_rank() or next((r.rank for r in reports if r.rank is not None), None)
             or getattr(watcher, "rank_seen", None))
-    if rank is not None:  # each rank its own files, not all of them the same
-        for option in ("json", "dot", "svg"):
-            if getattr(args, option):
-                setattr(args, option, rank_path(getattr(args, option), rank[0]))
+    # Where each output goes (resolved at start-up: the program may chdir) and
+    # the path as typed, for messages.
+    outputs: dict[str, tuple[str, str]] = {}
+    for option in ("json", "dot", "svg"):
+        typed = getattr(args, option)
+        if typed:
+            where = getattr(args, "resolved", {}).get(option, typed)
+            if rank is not None:  # each rank its own files, not all of them the same
+                where, typed = rank_path(where, rank[0]), rank_path(typed, rank[0])
+            outputs[option] = (where, typed)
     if isinstance(err, str):
         exception: str | None = err
     else:
@@ -180,40 +187,40 @@ def _write_outputs(args: argparse.Namespace, watcher: Any, status: int,
         if watcher.policy == "repair":
             doc["repairs"] = [r.to_dict() for r in watcher.repairs]
             doc["repair_summary"] = watcher.repair_summary()
-        _write_file("--json", args.json, json.dumps(doc, indent=2) + "\n")
+        _write_file("--json", *outputs["json"], json.dumps(doc, indent=2) + "\n")
     if args.dot or args.svg:
         merged = Report(hazards=[h for r in reports for h in r.hazards])
         dot = merged.to_dot()
         if args.dot:
-            _write_file("--dot", args.dot, dot)
+            _write_file("--dot", *outputs["dot"], dot)
         if args.svg:
             exe = shutil.which("dot")
             if exe is None:
                 print("versionwatch: --svg needs Graphviz's `dot` program; it is not installed "
                       "(the DOT text is still available with --dot)", file=sys.stderr)
             else:
-                _render_svg(exe, args.svg, dot)
+                _render_svg(exe, *outputs["svg"], dot)
 
 
-def _render_svg(exe: str, path: str, dot: str) -> None:
+def _render_svg(exe: str, path: str, shown: str, dot: str) -> None:
     try:
         done = subprocess.run([exe, "-Tsvg", "-o", path], input=dot.encode(),
                               stderr=subprocess.PIPE)
     except OSError as e:
-        _output_error("--svg", path, e.strerror or str(e))
+        _output_error("--svg", shown, e.strerror or str(e))
         return
     if done.returncode != 0:
         said = done.stderr.decode(errors="replace").strip().splitlines()
-        _output_error("--svg", path,
+        _output_error("--svg", shown,
                       said[-1] if said else f"`dot` exited with status {done.returncode}")
 
 
-def _write_file(option: str, path: str, text: str) -> None:
+def _write_file(option: str, path: str, shown: str, text: str) -> None:
     try:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
     except OSError as e:
-        _output_error(option, path, e.strerror or str(e))
+        _output_error(option, shown, e.strerror or str(e))
 
 
 def _output_error(option: str, path: str, problem: str) -> None:
@@ -283,6 +290,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.replay_child is not None and child is None:
         print("versionwatch run: --replay-child takes N:PATH", file=sys.stderr)
         return 2
+    # Resolved now, where the command runs: the program may chdir.
+    args.cwd = os.getcwd()
+    args.resolved = {option: os.path.join(args.cwd, getattr(args, option))
+                     for option in ("json", "dot", "svg") if getattr(args, option)}
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = argv
     if args.module:
@@ -311,7 +322,7 @@ def _run(args: argparse.Namespace) -> int:
             _run_script(argv[0])
     except ReplayStop as stop:
         assert child is not None
-        _write_file(CHILD_OPTION, child[1], json.dumps(
+        _write_file(CHILD_OPTION, child[1], child[1], json.dumps(
             stop.report.to_dict() if stop.report is not None else {"ok": True}))
         return 0
     except SystemExit as e:
@@ -358,7 +369,7 @@ def _replay(args: argparse.Namespace, watcher: Any) -> None:
     command = ["-m", args.module, *args.target] if args.module else list(args.target)
     print(f"versionwatch: --replay: running the same command again in strict mode, up to "
           f"backward #{report.backward}", file=sys.stderr)
-    found, why = run_child(command, report.backward)
+    found, why = run_child(command, report.backward, args.cwd)
     merge(report, found, why)
     if report.hazards[0].saved_at is not None or report.hazards[0].modified_by:
         print(report, file=sys.stderr)
@@ -374,7 +385,7 @@ def _merge(args: argparse.Namespace) -> int:
         return 2
     print(render_merged(summary))
     if args.json:
-        _write_file("--json", args.json, json.dumps(summary, indent=2) + "\n")
+        _write_file("--json", args.json, args.json, json.dumps(summary, indent=2) + "\n")
     return 0 if summary["ok"] else 1
 
 

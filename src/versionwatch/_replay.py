@@ -20,6 +20,8 @@ from typing import Any
 
 from versionwatch._report import Hazard, Modification, Report, Site
 
+# The folder this versionwatch is imported from (resolved before any chdir).
+_SOURCES = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The child's own option: stop at backward N and write its report to PATH.
 CHILD_OPTION = "--replay-child"
 
@@ -50,8 +52,12 @@ def target(reports: list[Report]) -> Report | None:
                 None)
 
 
-def run_child(command: list[str], backward: int) -> tuple[dict[str, Any] | None, str]:
-    """Run ``versionwatch run --strict`` on ``command`` up to ``backward``.
+def run_child(command: list[str], backward: int,
+              cwd: str) -> tuple[dict[str, Any] | None, str]:
+    """Run ``versionwatch run --strict`` on ``command`` up to ``backward``, in ``cwd``.
+
+    ``cwd`` is where the first run started: the program may have changed its
+    working directory since, and its command's paths are relative to where it began.
 
     Returns the child's report at that backward (as JSON data; ``{"ok": True}``
     when it found none) or ``None``, and, if it ended otherwise, why.
@@ -66,9 +72,9 @@ def run_child(command: list[str], backward: int) -> tuple[dict[str, Any] | None,
         # This very versionwatch replays, wherever the program's folder puts
         # sys.path (a relative PYTHONPATH, another copy installed).
         env = dict(os.environ)
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        here = _SOURCES
         env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        done = subprocess.run(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, env=env, check=False)
         try:
             with open(path, encoding="utf-8") as f:
