@@ -417,3 +417,37 @@ def test_outputs_and_replay_survive_a_chdir(tmp_path: Path):
     assert "same hazard at backward #" in doc["hazards"][0]["replay"], doc["hazards"][0]
     assert (tmp_path / "o.dot").read_text().startswith("digraph")
     assert (tmp_path / "o.svg").read_text() == (tmp_path / "o.dot").read_text()
+
+
+def test_script_from_standard_input(tmp_path: Path):
+    """Issue #23, item 14: ``versionwatch run -`` reads the script from stdin, as ``python -``."""
+    probe = textwrap.dedent("""\
+        import sys, traceback
+        import torch
+        net = torch.nn.Linear(2, 1)
+        net(torch.ones(1, 2)).sum().backward()
+        print(sys.argv, repr(sys.path[0]), __name__, __file__, __cached__, __loader__,
+              __spec__, __package__, sorted(k for k in globals() if k.startswith('__')))
+        print(sys.stdin.read() == '')
+        print(traceback.extract_stack()[-1].filename)
+        raise SystemExit(4)
+    """)
+
+    def run(*argv: str, src: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, *argv], input=src, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+
+    plain = run("-", "a", "--b", src=probe)
+    assert plain.returncode == 4 and "['-', 'a', '--b'] '' __main__ <stdin> None" in plain.stdout
+    r = run("-m", "versionwatch", "run", "--json", "o.json", "-", "a", "--b", src=probe)
+    assert (r.returncode, r.stdout) == (4, plain.stdout), r.stderr
+    assert "1 backward(s) watched, no hazard" in r.stderr
+    assert json.loads((tmp_path / "o.json").read_text())["target"] == "-"
+    # A hazard: the traceback's file is <stdin>, and --replay feeds the source to its child.
+    plain = run("-", src=SEED)
+    r = run("-m", "versionwatch", "run", "--replay", "--json", "o.json", "-", src=SEED)
+    assert (r.returncode, r.stdout) == (1, plain.stdout), r.stderr
+    assert f'File "<stdin>", line {BACKWARD2}, in <module>' in r.stderr
+    (h,) = json.loads((tmp_path / "o.json").read_text())["hazards"]
+    assert h["tensor"] == "model.w3" and "same hazard at backward #" in h["replay"], h
+    assert h["modified_by"][0]["line"] == STEP1

@@ -14,8 +14,8 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from importlib.machinery import SourceFileLoader
-from types import ModuleType, TracebackType
+from importlib.machinery import BuiltinImporter, SourceFileLoader
+from types import CodeType, ModuleType, TracebackType
 from typing import Any, NoReturn
 
 from versionwatch._config import POLICIES
@@ -24,7 +24,7 @@ from versionwatch._teardown import TermGuard
 USAGE = """\
 versionwatch run [--on-hazard raise|warn|log|repair] [--json PATH] [--dot PATH] [--svg PATH]
                  [--quiet] [--strict] [--stop-at-write] [--replay]
-                 (SCRIPT | -m MODULE) [ARGS...]
+                 (SCRIPT | -m MODULE | -) [ARGS...]
 versionwatch merge [--json PATH] REPORT...
 versionwatch demo"""
 
@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--replay-child", metavar="N:PATH", help=argparse.SUPPRESS)
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     run.add_argument("target", nargs=argparse.REMAINDER,
-                     help="SCRIPT [ARGS...], or ARGS... with -m")
+                     help="SCRIPT [ARGS...], or ARGS... with -m; SCRIPT - reads the script "
+                     "from standard input, as python - does")
     merge = sub.add_parser(
         "merge", help="summarize the per-rank JSON reports of a distributed run",
         description="Read the reports that `versionwatch run --json PATH` wrote on each rank "
@@ -245,11 +246,29 @@ def _run_script(path: str) -> None:
         with io.open_code(filename) as f:
             # Not this module's `from __future__ import annotations`.
             code = compile(f.read(), filename, "exec", dont_inherit=True)
-    main = ModuleType("__main__")
-    main.__dict__.update(__file__=filename, __cached__=None, __package__=None, __spec__=None,
-                         __loader__=SourceFileLoader("__main__", filename),
-                         __builtins__=builtins)
+    _exec_main(code, filename, SourceFileLoader("__main__", filename))
+
+
+def _run_stdin(source: bytes) -> None:
+    """Run ``source``, read from standard input, as ``python -`` runs it.
+
+    Python compiles it as ``<stdin>`` and gives ``__main__`` that ``__file__``, a
+    ``__cached__`` of None and the builtin importer as its loader.
+    """
+    code = compile(source, "<stdin>", "exec", dont_inherit=True)
+    _exec_main(code, "<stdin>", BuiltinImporter)
+
+
+def _exec_main(code: CodeType, file: str, loader: Any) -> None:
+    """Run ``code`` in a fresh ``__main__`` module, as the interpreter makes its own."""
+    main = ModuleType("__main__")  # __name__, __doc__, __package__, __loader__, __spec__
+    main.__loader__ = loader
     saved = sys.modules.get("__main__")
+    # The interpreter's own __main__ starts with an empty __annotations__ (up to
+    # Python 3.13): the program's gets one whenever ours has it. In its order.
+    annotated = "__annotations__" in getattr(saved, "__dict__", {})
+    first: dict[str, Any] = {"__annotations__": {}} if annotated else {}
+    main.__dict__.update(first, __builtins__=builtins, __file__=file, __cached__=None)
     sys.modules["__main__"] = main
     try:
         exec(code, main.__dict__)
@@ -273,7 +292,8 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(f"usage: {USAGE}\nversionwatch run: give a SCRIPT or -m MODULE", file=sys.stderr)
         return 2
-    if not args.module and not os.path.exists(argv[0]):
+    stdin = not args.module and argv[0] == "-"
+    if not args.module and not stdin and not os.path.exists(argv[0]):
         print(f"versionwatch run: can't open file {argv[0]!r}: no such file", file=sys.stderr)
         return 2
     if args.replay:
@@ -294,10 +314,14 @@ def _run(args: argparse.Namespace) -> int:
     args.cwd = os.getcwd()
     args.resolved = {option: os.path.join(args.cwd, getattr(args, option))
                      for option in ("json", "dot", "svg") if getattr(args, option)}
+    # As python -: the whole script first; the program then finds stdin at its end.
+    args.source = sys.stdin.buffer.read() if stdin else None
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = argv
     if args.module:
         sys.path[0] = os.getcwd()
+    elif stdin:
+        sys.path[0] = ""
     else:
         # As python: the script's folder, symlinks resolved.
         sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
@@ -318,6 +342,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.module:
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+        elif stdin:
+            _run_stdin(args.source)
         else:
             _run_script(argv[0])
     except ReplayStop as stop:
@@ -369,7 +395,7 @@ def _replay(args: argparse.Namespace, watcher: Any) -> None:
     command = ["-m", args.module, *args.target] if args.module else list(args.target)
     print(f"versionwatch: --replay: running the same command again in strict mode, up to "
           f"backward #{report.backward}", file=sys.stderr)
-    found, why = run_child(command, report.backward, args.cwd)
+    found, why = run_child(command, report.backward, args.cwd, args.source)
     merge(report, found, why)
     if report.hazards[0].saved_at is not None or report.hazards[0].modified_by:
         print(report, file=sys.stderr)

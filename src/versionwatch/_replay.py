@@ -52,12 +52,14 @@ def target(reports: list[Report]) -> Report | None:
                 None)
 
 
-def run_child(command: list[str], backward: int,
-              cwd: str) -> tuple[dict[str, Any] | None, str]:
+def run_child(command: list[str], backward: int, cwd: str,
+              source: bytes | None = None) -> tuple[dict[str, Any] | None, str]:
     """Run ``versionwatch run --strict`` on ``command`` up to ``backward``, in ``cwd``.
 
     ``cwd`` is where the first run started: the program may have changed its
     working directory since, and its command's paths are relative to where it began.
+    ``source``: the script of ``versionwatch run -``, which the child reads from its
+    standard input as the first run did.
 
     Returns the child's report at that backward (as JSON data; ``{"ok": True}``
     when it found none) or ``None``, and, if it ended otherwise, why.
@@ -74,8 +76,10 @@ def run_child(command: list[str], backward: int,
         env = dict(os.environ)
         here = _SOURCES
         env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-        done = subprocess.run(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, env=env, check=False)
+        stdin = None if source is not None else subprocess.DEVNULL
+        done = subprocess.run(argv, cwd=cwd, input=source, stdin=stdin,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                              check=False)
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
