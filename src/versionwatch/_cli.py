@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import builtins
 import io
 import json
@@ -13,13 +14,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from importlib.machinery import BuiltinImporter, SourceFileLoader
-from types import CodeType, ModuleType, TracebackType
-from typing import Any, NoReturn
+from types import CodeType, FrameType, ModuleType, TracebackType
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from versionwatch._config import POLICIES
-from versionwatch._teardown import TermGuard
+from versionwatch._teardown import TermGuard, threads_left
+
+if TYPE_CHECKING:
+    from versionwatch._replay import Child
 
 USAGE = """\
 versionwatch run [--on-hazard raise|warn|log|repair] [--json PATH] [--dot PATH] [--svg PATH]
@@ -281,7 +286,7 @@ def _exec_main(code: CodeType, file: str, loader: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     import versionwatch
-    from versionwatch._replay import CHILD_OPTION
+    from versionwatch._replay import send_report, tie_to_parent
     from versionwatch._watch import ReplayStop
 
     if args.module:
@@ -308,8 +313,11 @@ def _run(args: argparse.Namespace) -> int:
             return 2
     child = _child(args.replay_child)
     if args.replay_child is not None and child is None:
-        print("versionwatch run: --replay-child takes N:PATH", file=sys.stderr)
+        print("versionwatch run: --replay-child takes N:PARENT:DEATH_FD:REPORT_FD",
+              file=sys.stderr)
         return 2
+    if child is not None:  # first: from now on, this child dies with its parent
+        tie_to_parent(child.parent, child.death_fd)
     # Resolved now, where the command runs: the program may chdir.
     args.cwd = os.getcwd()
     args.resolved = {option: os.path.join(args.cwd, getattr(args, option))
@@ -325,20 +333,14 @@ def _run(args: argparse.Namespace) -> int:
     else:
         # As python: the script's folder, symlinks resolved.
         sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
-    status = 0
-    err: BaseException | None = None
     watcher = versionwatch.watch_all(on_hazard="log" if child else args.on_hazard,
                                      strict=args.strict, stop_at_write=args.stop_at_write)
-    if child:
-        watcher._replay_at = child[0]
-
-    def on_term() -> None:
-        # The plain program dies of SIGTERM here, silently; so do we, once written.
-        watcher.close()
-        _write_outputs(args, watcher, 128 + signal.SIGTERM, "terminated by SIGTERM")
-
-    guard = TermGuard(on_term)
-    guard.install()
+    run = _Session(args, watcher, saved_argv, saved_path0)
+    if child is not None:
+        watcher._replay_at = child.backward
+        run.guard = TermGuard(run.on_term)  # the child writes no outputs of its own
+    run.guard.install()
+    before = set(threading.enumerate())
     try:
         if args.module:
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
@@ -348,59 +350,188 @@ def _run(args: argparse.Namespace) -> int:
             _run_script(argv[0])
     except ReplayStop as stop:
         assert child is not None
-        _write_file(CHILD_OPTION, child[1], child[1], json.dumps(
-            stop.report.to_dict() if stop.report is not None else {"ok": True}))
+        send_report(child.report_fd, stop.report.to_dict() if stop.report is not None
+                    else {"ok": True})
+        run.close()
+        run.guard.close()
         return 0
     except SystemExit as e:
         code = e.code
-        status = code if isinstance(code, int) else (0 if code is None else 1)
+        run.status = code if isinstance(code, int) else (0 if code is None else 1)
         if code is not None and not isinstance(code, int):
             print(code, file=sys.stderr)
     except BaseException as e:
-        status, err = (130 if isinstance(e, KeyboardInterrupt) else 1), e
+        run.status, run.err = (130 if isinstance(e, KeyboardInterrupt) else 1), e
         _print_uncaught(e)
-    finally:
-        guard.close()
-        watcher.close()
-        sys.argv = saved_argv
-        if saved_path0 is not None:
-            sys.path[0] = saved_path0
-        if args.replay and not isinstance(err, KeyboardInterrupt):
-            _replay(args, watcher)
-        _write_outputs(args, watcher, status, err)
-    if not args.quiet:
-        _summary(watcher, err)
-    if isinstance(err, KeyboardInterrupt):
-        _exit_interrupted(err)
-    return status
+    if child is None and threads_left(before):
+        # Python waits for them once __main__ has returned, then runs atexit:
+        # the watcher watches them until then, and the outputs are written then.
+        atexit.register(run.finish, at_exit=True)
+    else:
+        run.finish()
+    if isinstance(run.err, KeyboardInterrupt):
+        _exit_interrupted(run.err)
+    if run.interrupted:
+        _exit_interrupted(KeyboardInterrupt())
+    return run.status
 
 
-def _child(value: str | None) -> tuple[int, str] | None:
-    """``--replay-child N:PATH`` as ``(N, PATH)``; ``None`` if absent or malformed."""
+class _ChildOption(NamedTuple):
+    """``--replay-child N:PARENT:DEATH_FD:REPORT_FD``."""
+
+    backward: int
+    parent: int
+    death_fd: int
+    report_fd: int
+
+
+def _child(value: str | None) -> _ChildOption | None:
+    """``--replay-child``'s value; ``None`` if absent or malformed."""
     if value is None:
         return None
-    n, sep, path = value.partition(":")
-    if not sep or not n.isdigit() or not path:
+    parts = value.split(":")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
         return None
-    return int(n), path
+    return _ChildOption(*map(int, parts))
 
 
-def _replay(args: argparse.Namespace, watcher: Any) -> None:
-    """Re-run the command in strict mode up to the first failing backward; merge its lines."""
-    from versionwatch._replay import merge, run_child, target
+class _Session:
+    """One ``versionwatch run``, from the program's start to the outputs written.
 
-    report = target(list(watcher.reports))
-    if report is None or report.backward is None:
-        return
-    command = ["-m", args.module, *args.target] if args.module else list(args.target)
-    print(f"versionwatch: --replay: running the same command again in strict mode, up to "
-          f"backward #{report.backward}", file=sys.stderr)
-    found, why = run_child(command, report.backward, args.cwd, args.source)
-    merge(report, found, why)
-    if report.hazards[0].saved_at is not None or report.hazards[0].modified_by:
-        print(report, file=sys.stderr)
-    else:
-        print(f"versionwatch: --replay: {report.replay}", file=sys.stderr)
+    It ends in one of these ways, each of which writes the outputs once the
+    watcher is closed: the program's end (``finish``, at once or, when threads
+    that Python waits for are left, at exit after them), SIGTERM (``on_term``)
+    or ``os._exit`` (``on_exit``). ``guard.lock`` orders them: the first one
+    to end the process holds it until the process is gone.
+    """
+
+    def __init__(self, args: argparse.Namespace, watcher: Any, saved_argv: list[str],
+                 saved_path0: str | None) -> None:
+        self.args = args
+        self.watcher = watcher
+        self.saved_argv = saved_argv
+        self.saved_path0 = saved_path0
+        self.status = 0
+        self.err: BaseException | None = None
+        # "program" (watched, threads included), "finish" (the outputs, the
+        # replay), "done".
+        self.phase = "program"
+        self.child: Child | None = None
+        self.interrupted = False  # Ctrl-C came once the program had ended
+        self.waiting = False  # for the replay's child
+        wanted = args.json or args.dot or args.svg
+        self.guard = TermGuard(self.on_term, self.on_exit if wanted else None)
+
+    def close(self) -> None:
+        """Close the watcher and give back what the run took: once, whatever comes."""
+        with self.guard.lock:
+            self.watcher.close()
+            sys.argv = self.saved_argv
+            if self.saved_path0 is not None and sys.path:
+                sys.path[0] = self.saved_path0
+
+    def finish(self, at_exit: bool = False) -> None:
+        """The program has ended: close, replay if asked, write the outputs, summarize."""
+        with self.guard.lock:
+            if self.phase != "program":
+                return
+            self.phase = "finish"
+            self.close()
+        # Ctrl-C from here on is noted, not raised into the middle of a write;
+        # it stops a replay that runs, and the run then ends by SIGINT.
+        previous = None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            previous = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            if self.args.replay and not isinstance(self.err, KeyboardInterrupt):
+                self._replay()
+            with self.guard.lock:
+                _write_outputs(self.args, self.watcher, self.status, self.err)
+                if not self.args.quiet:
+                    _summary(self.watcher, self.err)
+        finally:
+            self.phase = "done"
+            self.guard.close()
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        if at_exit and self.interrupted:
+            # Too late to raise: end by SIGINT as the interrupted program would.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def _replay(self) -> None:
+        """Re-run the command in strict mode up to the first failing backward; merge its lines.
+
+        The first run's outputs are written first, so that they are there whatever
+        happens to the replay.
+        """
+        from versionwatch._replay import Child, merge, target
+
+        args = self.args
+        report = target(list(self.watcher.reports))
+        if report is None or report.backward is None:
+            return
+        with self.guard.lock:
+            _write_outputs(args, self.watcher, self.status, self.err)
+            command = ["-m", args.module, *args.target] if args.module else list(args.target)
+            print(f"versionwatch: --replay: running the same command again in strict mode, "
+                  f"up to backward #{report.backward}", file=sys.stderr)
+            self.child = Child(command, report.backward, args.cwd, args.source)
+        try:
+            self.waiting = True
+            found, why = self.child.run()
+        except KeyboardInterrupt:
+            self.child.stop("Ctrl-C")
+            self.interrupted = True
+            found, why = None, "was interrupted (Ctrl-C)"
+        finally:
+            self.waiting = False
+        with self.guard.lock:
+            if merge(report, found, why):
+                print(report, file=sys.stderr)
+            else:
+                print(f"versionwatch: --replay: {report.replay}", file=sys.stderr)
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        self.interrupted = True
+        if self.waiting:  # for the replay's child: stop waiting, and stop it (once)
+            self.waiting = False
+            raise KeyboardInterrupt
+
+    def _stop_replay(self, why: str) -> None:
+        """Stop a replay that runs, and say so in its report."""
+        from versionwatch._replay import merge, target
+
+        if self.child is not None and self.child.stop(why):
+            report = target(list(self.watcher.reports))
+            if report is not None:
+                merge(report, None, f"was interrupted ({why})")
+
+    def on_term(self) -> None:
+        """SIGTERM, on any thread: the outputs, then the run dies of it."""
+        if self.phase == "program":
+            # The plain program dies of SIGTERM here, silently; so do we, once written.
+            self.watcher.close()
+            _write_outputs(self.args, self.watcher, 128 + signal.SIGTERM,
+                           "terminated by SIGTERM")
+        elif self.phase == "finish":
+            # The program has ended: its outcome stands; the replay is what stops.
+            self._stop_replay("SIGTERM")
+            _write_outputs(self.args, self.watcher, self.status, self.err)
+
+    def on_exit(self, status: int) -> None:
+        """``os._exit(status)``, on any thread: the outputs, then the real exit."""
+        if self.phase == "program":
+            self.watcher.close()
+            _write_outputs(self.args, self.watcher, status, f"os._exit({status})")
+        elif self.phase == "finish":
+            self._stop_replay(f"os._exit({status})")
+            _write_outputs(self.args, self.watcher, self.status, self.err)
+
+
 def _merge(args: argparse.Namespace) -> int:
     from versionwatch._ranks import MergeError, merge, render_merged
 

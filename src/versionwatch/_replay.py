@@ -13,17 +13,21 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-import tempfile
-from typing import Any
+import threading
+import time
+from typing import IO, Any
 
 from versionwatch._report import Hazard, Modification, Report, Site
 
 # The folder this versionwatch is imported from (resolved before any chdir).
 _SOURCES = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The child's own option: stop at backward N and write its report to PATH.
+# The child's own option, N:PARENT:DEATH_FD:REPORT_FD: stop at backward N, write the
+# report to REPORT_FD, die when DEATH_FD (a pipe from PARENT) closes.
 CHILD_OPTION = "--replay-child"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def refusal() -> str | None:
@@ -52,47 +56,248 @@ def target(reports: list[Report]) -> Report | None:
                 None)
 
 
-def run_child(command: list[str], backward: int, cwd: str,
-              source: bytes | None = None) -> tuple[dict[str, Any] | None, str]:
-    """Run ``versionwatch run --strict`` on ``command`` up to ``backward``, in ``cwd``.
+class Child:
+    """The replay's second run: ``versionwatch run --strict`` up to backward N, in a child.
 
-    ``cwd`` is where the first run started: the program may have changed its
-    working directory since, and its command's paths are relative to where it began.
-    ``source``: the script of ``versionwatch run -``, which the child reads from its
-    standard input as the first run did.
+    The child dies with this process, however this process ends:
 
-    Returns the child's report at that backward (as JSON data; ``{"ok": True}``
-    when it found none) or ``None``, and, if it ended otherwise, why.
+    - it runs in a process group of its own (a new session), so a terminal's
+      Ctrl-C reaches this process alone, which then stops the child's whole
+      group (:meth:`stop`): SIGTERM to the group, SIGKILL to what is left. So
+      do SIGTERM's handler, any exception, and the end of a replay that left
+      processes behind;
+    - when this process dies without a say (SIGKILL), on Linux the kernel kills
+      the child (``PR_SET_PDEATHSIG``, which the child sets at its start-up:
+      :func:`tie_to_parent`); everywhere, the child holds the read end of a pipe
+      whose only write end is this process's, and a daemon thread of the child
+      that waits on it kills the child's group when it closes (the fallback on
+      macOS, where there is no ``PR_SET_PDEATHSIG``).
+
+    The child's report comes back through a second pipe, not a file: no
+    temporary file is left behind, whatever ends the replay.
     """
-    fd, path = tempfile.mkstemp(prefix="versionwatch-replay-", suffix=".json")
-    os.close(fd)
-    try:
+
+    def __init__(self, command: list[str], backward: int, cwd: str,
+                 source: bytes | None = None) -> None:
+        """``command``: the program's (``SCRIPT ARGS`` or ``-m MODULE ARGS``).
+
+        ``cwd`` is where the first run started: the program may have changed its
+        working directory since, and its command's paths are relative to where it
+        began. ``source``: the script of ``versionwatch run -``, which the child
+        reads from its standard input as the first run did.
+        """
+        self.command = command
+        self.backward = backward
+        self.cwd = cwd
+        self.source = source
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._death_w = -1
+        self.stopped: str | None = None  # why, once stop() ended it
+
+    def run(self) -> tuple[dict[str, Any] | None, str]:
+        """Run the child to its end (or until :meth:`stop`).
+
+        Returns its report at backward N (as JSON data; ``{"ok": True}`` when
+        it found none) or ``None``, and, if it ended otherwise, why.
+        """
+        death_r, death_w = os.pipe()
+        report_r, report_w = os.pipe()
+        try:
+            proc = self._start(death_r, death_w, report_w)
+        except BaseException:
+            os.close(death_w)
+            os.close(report_r)
+            raise
+        finally:
+            os.close(death_r)
+            os.close(report_w)
+        if proc is None:
+            os.close(report_r)
+            return None, f"was interrupted ({self.stopped})"
+        report: list[bytes] = []
+        said: list[bytes] = []
+        assert proc.stderr is not None
+        threads = [_drain(report_r, report), _drain(proc.stderr.fileno(), said)]
+        if self.source is not None:
+            assert proc.stdin is not None
+            threads.append(_feed(proc.stdin, self.source))
+        try:
+            _wait_exited(proc)
+            # What the replayed program left running goes with it.
+            _kill_group(proc, signal.SIGKILL)
+            status = proc.wait()
+        except BaseException as e:  # Ctrl-C, most likely: the group goes
+            self.stop("Ctrl-C" if isinstance(e, KeyboardInterrupt) else type(e).__name__)
+            raise
+        finally:
+            self._close_death_pipe()
+            for t in threads:
+                # Every writer is dead (the group is), or a process that left the
+                # group holds a pipe: bounded, the threads are daemons.
+                t.join(timeout=5)
+            os.close(report_r)
+            proc.stderr.close()
+        if self.stopped is not None:  # by SIGTERM's handler, on another thread
+            return None, f"was interrupted ({self.stopped})"
+        text = b"".join(report)
+        if text:
+            try:
+                return json.loads(text.decode()), ""
+            except ValueError as e:  # a child killed halfway through its write
+                return None, f"ended (exit status {status}) with an unreadable report: {e}"
+        lines = b"".join(said).decode(errors="replace").strip().splitlines()
+        last = f": {lines[-1]}" if lines else ""
+        return None, f"ended (exit status {status}) before backward #{self.backward}{last}"
+
+    def _start(self, death_r: int, death_w: int,
+               report_w: int) -> subprocess.Popen[bytes] | None:
+        child = f"{self.backward}:{os.getpid()}:{death_r}:{report_w}"
         argv = [sys.executable, "-m", "versionwatch", "run", "--strict", "--quiet",
-                CHILD_OPTION, f"{backward}:{path}", "--", *command]
-        if command[:1] == ["-m"]:  # `--` would make "-m" the script's name
-            argv = [*argv[:argv.index("--")], *command]
+                CHILD_OPTION, child, "--", *self.command]
+        if self.command[:1] == ["-m"]:  # `--` would make "-m" the script's name
+            argv = [*argv[:argv.index("--")], *self.command]
         # This very versionwatch replays, wherever the program's folder puts
         # sys.path (a relative PYTHONPATH, another copy installed).
         env = dict(os.environ)
-        here = _SOURCES
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-        stdin = None if source is not None else subprocess.DEVNULL
-        done = subprocess.run(argv, cwd=cwd, input=source, stdin=stdin,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-                              check=False)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCES, env.get("PYTHONPATH")) if p)
+        with self._lock:
+            if self.stopped is not None:
+                os.close(death_w)
+                return None
+            self._proc = subprocess.Popen(
+                argv, cwd=self.cwd, env=env, pass_fds=(death_r, report_w),
+                start_new_session=True,
+                stdin=subprocess.PIPE if self.source is not None else subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            self._death_w = death_w
+            return self._proc
+
+    def stop(self, why: str) -> bool:
+        """End the child and its group, from any thread; True if it was still running."""
+        with self._lock:
+            if self.stopped is None:
+                self.stopped = why
+            proc = self._proc
+        if proc is None:
+            return False
+        running = not _has_exited(proc)
+        if running:
+            # A program's own SIGTERM handler gets its say, briefly.
+            _kill_group(proc, signal.SIGTERM)
+            deadline = time.monotonic() + 2
+            while not _has_exited(proc) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        _kill_group(proc, signal.SIGKILL)
+        self._close_death_pipe()
+        return running
+
+    def _close_death_pipe(self) -> None:
+        with self._lock:
+            death_w, self._death_w = self._death_w, -1
+        if death_w != -1:
+            os.close(death_w)
+
+
+def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    # The child leads its group (start_new_session) and, until it is reaped,
+    # its pid cannot name another group.
+    if proc.returncode is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_exited(proc: subprocess.Popen[bytes]) -> None:
+    """Wait until the child has exited, without reaping it (its group stays named)."""
+    if hasattr(os, "waitid"):
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-            if text:
-                return json.loads(text), ""
-        except (OSError, ValueError) as e:  # a child killed halfway through its write
-            return None, f"ended (exit status {done.returncode}) with an unreadable report: {e}"
-        said = done.stderr.decode(errors="replace").strip().splitlines()
-        last = f": {said[-1]}" if said else ""
-        return None, (f"ended (exit status {done.returncode}) before backward "
-                      f"#{backward}{last}")
-    finally:
-        os.unlink(path)
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:  # reaped already, by stop()
+            pass
+    else:
+        proc.wait()
+
+
+def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
+    if proc.returncode is not None:
+        return True
+    if hasattr(os, "waitid"):
+        try:
+            return os.waitid(os.P_PID, proc.pid,
+                             os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
+    return proc.poll() is not None
+
+
+def _drain(fd: int, into: list[bytes]) -> threading.Thread:
+    def read() -> None:
+        try:
+            while chunk := os.read(fd, 1 << 16):
+                into.append(chunk)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=read, daemon=True, name="versionwatch-replay-reader")
+    t.start()
+    return t
+
+
+def _feed(pipe: IO[bytes], data: bytes) -> threading.Thread:
+    def write() -> None:
+        try:
+            pipe.write(data)
+            pipe.close()
+        except OSError:  # the child died before reading it all
+            pass
+
+    t = threading.Thread(target=write, daemon=True, name="versionwatch-replay-writer")
+    t.start()
+    return t
+
+
+def tie_to_parent(parent: int, death_fd: int, pdeathsig: bool = True) -> None:
+    """The child's side of :class:`Child`: die with ``parent``, however it dies.
+
+    ``pdeathsig=False`` leaves the pipe alone to do it, as on macOS.
+    """
+    os.set_inheritable(death_fd, False)  # not the replayed program's to pass on
+    if pdeathsig and sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the pipe below still ties us
+    thread = threading.Thread(target=_await_parent, args=(death_fd,), daemon=True,
+                              name="versionwatch-replay-parent")
+    thread.start()
+    if os.getppid() != parent:  # it died before the tie was made: nothing would tell us
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _await_parent(fd: int) -> None:
+    # The parent never writes: the read returns b"" when its end closes, as it
+    # does when the parent dies, however it dies.
+    try:
+        while os.read(fd, 64):
+            pass
+    except OSError:
+        pass
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def send_report(fd: int, data: dict[str, Any]) -> None:
+    """The child's report, through the pipe its parent reads."""
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data))
+    except OSError:  # the parent is gone: nobody to tell
+        pass
 
 
 def _same(h: Hazard, c: dict[str, Any]) -> bool:
@@ -119,8 +324,8 @@ def _source_line(file: str, line: int) -> str:
     return ""
 
 
-def merge(report: Report, child: dict[str, Any] | None, why: str) -> None:
-    """Fill ``report`` in with the child's lines, or say why it cannot be."""
+def merge(report: Report, child: dict[str, Any] | None, why: str) -> bool:
+    """Fill ``report`` in with the child's lines, or say why it cannot be; True if filled."""
     n = report.backward
     h = report.hazards[0]
     hazards = (child or {}).get("hazards") or []
@@ -133,13 +338,13 @@ def merge(report: Report, child: dict[str, Any] | None, why: str) -> None:
                              f"hazard at backward #{n}; the program is not deterministic "
                              "enough to replay (seed it, fix its data order), or run it with "
                              "--strict")
-        return
+        return False
     c = hazards[0]
     if not _same(h, c):
         report.replay = (f"not reproduced: the strict replay met another hazard at backward "
                          f"#{n} ({c.get('saved_by')}.{c.get('slot')} on {c.get('tensor')}); the "
                          "program is not deterministic enough to replay, run it with --strict")
-        return
+        return False
     # The same hazard: strict mode's lines are this run's.
     h.saved_at = _site(c.get("saved_at")) or h.saved_at
     h.module = c.get("module") or h.module
@@ -167,3 +372,4 @@ def merge(report: Report, child: dict[str, Any] | None, why: str) -> None:
     h.notes = [note for note in h.notes if "`versionwatch run --replay ...`" not in note]
     report.replay = (f"the lines above come from a strict replay of the same command, "
                      f"which met the same hazard at backward #{n}")
+    return True
