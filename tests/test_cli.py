@@ -723,3 +723,18 @@ def test_tied_child_dies_with_a_killed_parent(tmp_path: Path, pdeathsig: bool):
             p.wait()
         if child and _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_replay_after_the_programs_threads(tmp_path: Path):
+    """A hazard in the main module, a thread still running: the outputs and the replay
+    come once Python has joined the thread (at exit, where Python 3.12 lets no thread
+    start: the replay starts none)."""
+    (tmp_path / "train.py").write_text(SEED.replace("model = Model()", textwrap.dedent("""\
+        import threading
+        threading.Thread(target=threading.main_thread().join, name="late").start()
+        model = Model()""")))
+    r = vw("run", "--replay", "--json", "o.json", "train.py", cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    (h,) = json.loads((tmp_path / "o.json").read_text())["hazards"]
+    assert "same hazard at backward #" in h["replay"], h
+    assert h["modified_by"][0]["line"] == line_of(SEED, "optim.step()") + 2

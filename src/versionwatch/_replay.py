@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any
+from typing import Any
 
 from versionwatch._report import Hazard, Modification, Report, Site
 
@@ -28,6 +29,10 @@ _SOURCES = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # report to REPORT_FD, die when DEATH_FD (a pipe from PARENT) closes.
 CHILD_OPTION = "--replay-child"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# How often the replay's wait looks whether its child has exited, and how long it
+# reads the pipes after that.
+_LOOK_S = 0.05
+_DRAIN_S = 5.0
 
 
 def refusal() -> str | None:
@@ -115,40 +120,83 @@ class Child:
         if proc is None:
             os.close(report_r)
             return None, f"was interrupted ({self.stopped})"
-        report: list[bytes] = []
-        said: list[bytes] = []
-        assert proc.stderr is not None
-        threads = [_drain(report_r, report), _drain(proc.stderr.fileno(), said)]
-        if self.source is not None:
-            assert proc.stdin is not None
-            threads.append(_feed(proc.stdin, self.source))
         try:
-            _wait_exited(proc)
-            # What the replayed program left running goes with it.
-            _kill_group(proc, signal.SIGKILL)
+            report, said = self._exchange(proc, report_r)
+            _kill_group(proc, signal.SIGKILL)  # if every pipe closed before it exited
             status = proc.wait()
         except BaseException as e:  # Ctrl-C, most likely: the group goes
             self.stop("Ctrl-C" if isinstance(e, KeyboardInterrupt) else type(e).__name__)
             raise
         finally:
             self._close_death_pipe()
-            for t in threads:
-                # Every writer is dead (the group is), or a process that left the
-                # group holds a pipe: bounded, the threads are daemons.
-                t.join(timeout=5)
             os.close(report_r)
-            proc.stderr.close()
+            for pipe in (proc.stdin, proc.stderr):
+                if pipe is not None and not pipe.closed:
+                    pipe.close()
         if self.stopped is not None:  # by SIGTERM's handler, on another thread
             return None, f"was interrupted ({self.stopped})"
-        text = b"".join(report)
-        if text:
+        if report:
             try:
-                return json.loads(text.decode()), ""
+                return json.loads(report.decode()), ""
             except ValueError as e:  # a child killed halfway through its write
                 return None, f"ended (exit status {status}) with an unreadable report: {e}"
-        lines = b"".join(said).decode(errors="replace").strip().splitlines()
+        lines = said.decode(errors="replace").strip().splitlines()
         last = f": {lines[-1]}" if lines else ""
         return None, f"ended (exit status {status}) before backward #{self.backward}{last}"
+
+    def _exchange(self, proc: subprocess.Popen[bytes],
+                  report_r: int) -> tuple[bytes, bytes]:
+        """Feed the child its source, read its report and stderr, until it exits.
+
+        On this thread alone: a run that ends after the program's threads (at
+        exit) may start no thread on Python 3.12. The child's exit has no file
+        to wait on everywhere, so the loop also looks at it every ``_LOOK_S``.
+        Once it has exited, its group is killed and what is left in the pipes
+        is read while they are open, for at most ``_DRAIN_S`` (a process that
+        left the child's group may hold them).
+        """
+        assert proc.stderr is not None
+        chunks: dict[int, list[bytes]] = {report_r: [], proc.stderr.fileno(): []}
+        pending = memoryview(self.source or b"")
+        with selectors.DefaultSelector() as sel:
+            for fd in chunks:
+                sel.register(fd, selectors.EVENT_READ)
+            if proc.stdin is not None:
+                if pending:
+                    os.set_blocking(proc.stdin.fileno(), False)
+                    sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
+                else:
+                    proc.stdin.close()
+            deadline: float | None = None
+            while sel.get_map():
+                if deadline is None and _has_exited(proc):
+                    # What the replayed program left running goes with it.
+                    _kill_group(proc, signal.SIGKILL)
+                    deadline = time.monotonic() + _DRAIN_S
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                for key, _ in sel.select(_LOOK_S):
+                    fd = int(key.fd)
+                    if fd in chunks:
+                        data = _read(fd)
+                        if data:
+                            chunks[fd].append(data)
+                        else:
+                            sel.unregister(fd)
+                        continue
+                    assert proc.stdin is not None
+                    try:
+                        pending = pending[os.write(fd, pending):]
+                    except BlockingIOError:
+                        continue
+                    except OSError:  # the child died before it read it all
+                        pending = memoryview(b"")
+                    if not pending:
+                        sel.unregister(fd)
+                        proc.stdin.close()
+            if deadline is None:
+                _wait_exited(proc)  # every pipe closed: it is exiting
+        return b"".join(chunks[report_r]), b"".join(chunks[proc.stderr.fileno()])
 
     def _start(self, death_r: int, death_w: int,
                report_w: int) -> subprocess.Popen[bytes] | None:
@@ -233,30 +281,12 @@ def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
     return proc.poll() is not None
 
 
-def _drain(fd: int, into: list[bytes]) -> threading.Thread:
-    def read() -> None:
-        try:
-            while chunk := os.read(fd, 1 << 16):
-                into.append(chunk)
-        except OSError:
-            pass
-
-    t = threading.Thread(target=read, daemon=True, name="versionwatch-replay-reader")
-    t.start()
-    return t
-
-
-def _feed(pipe: IO[bytes], data: bytes) -> threading.Thread:
-    def write() -> None:
-        try:
-            pipe.write(data)
-            pipe.close()
-        except OSError:  # the child died before reading it all
-            pass
-
-    t = threading.Thread(target=write, daemon=True, name="versionwatch-replay-writer")
-    t.start()
-    return t
+def _read(fd: int) -> bytes:
+    # Called when select says the pipe is readable: data, or b"" at its end.
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:
+        return b""
 
 
 def tie_to_parent(parent: int, death_fd: int, pdeathsig: bool = True) -> None:
