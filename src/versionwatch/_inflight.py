@@ -61,8 +61,12 @@ from versionwatch._report import Report, Site
 # fixed time.
 RECHECK_S = 0.01
 # Frames of these folders are not the program's: PyTorch's and versionwatch's.
-_LIBRARY_DIRS = tuple(os.path.join(os.path.dirname(os.path.abspath(p)), "")
-                      for p in (torch.__file__, os.path.dirname(os.path.abspath(__file__))))
+_OWN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+_LIBRARY_DIRS = (os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), ""), _OWN_DIR)
+# The watcher's method that every watched backward runs in, from its prediction
+# to its end (a flight's whole life): above its frame, the prediction, PyTorch's
+# backward and its engine, and whatever the engine calls back.
+_BACKWARD_ENTRY = "_run_backward"
 
 # _MUTEX is _COND's lock: taken directly on the hot paths (Condition's own
 # __enter__ is a Python call), with the same effect.
@@ -206,49 +210,33 @@ def _may_wait_for(flights: list[Flight]) -> bool:
     not start (autograd's device threads, which run the hooks of CUDA nodes)
     runs the program's code, since which backward it serves is unknown.
     """
-    global _BACKWARD_CODES
-    if not _BACKWARD_CODES:
-        _BACKWARD_CODES = _backward_codes()
     frames = sys._current_frames()
     # A thread that Python did not start shows as a dummy once it asks for
     # current_thread(), if ever.
     dummy = getattr(threading, "_DummyThread", ())
     started = {t.ident for t in threading.enumerate() if not isinstance(t, dummy)}
     for ident, frame in frames.items():
-        if ident not in started and _runs_program_code(frame, None):
+        if ident not in started and _runs_program_code(frame, stop_at_backward=False):
             return False
     for f in flights:
         top = frames.get(f.ident)
-        if top is not None and _runs_program_code(top, _BACKWARD_CODES):
+        if top is not None and _runs_program_code(top, stop_at_backward=True):
             return False
     return True
 
 
-def _runs_program_code(frame: FrameType | None,
-                       stop: frozenset[Any] | None) -> bool:
-    """Whether a frame from ``frame`` down to one running a code in ``stop`` is the
-    program's (neither PyTorch's nor versionwatch's); with no ``stop``, any frame."""
+def _runs_program_code(frame: FrameType | None, stop_at_backward: bool) -> bool:
+    """Whether a frame from ``frame`` down is the program's (neither PyTorch's nor
+    versionwatch's): down to the watched backward's own frame, or to the bottom."""
     while frame is not None:
         code = frame.f_code
-        if stop is not None and code in stop:
-            return False
-        if not code.co_filename.startswith(_LIBRARY_DIRS):
+        name = code.co_filename
+        if not name.startswith(_LIBRARY_DIRS):
             return True
+        if stop_at_backward and code.co_name == _BACKWARD_ENTRY and name.startswith(_OWN_DIR):
+            return False
         frame = frame.f_back
     return False
-
-
-def _backward_codes() -> frozenset[Any]:
-    # The watcher's backward entry, where a watched backward's frames begin:
-    # above it, the prediction, PyTorch's backward and its engine, and whatever
-    # the engine calls back.
-    watch = sys.modules.get("versionwatch._watch")
-    method = getattr(getattr(watch, "Watcher", None), "_run_backward", None)
-    code = getattr(method, "__code__", None)
-    return frozenset((code,)) if code is not None else frozenset()
-
-
-_BACKWARD_CODES: frozenset[Any] = frozenset()
 
 
 def _fingerprint(nodes: Sequence[Any]) -> frozenset[tuple[str, int]]:
