@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -359,3 +360,384 @@ def test_unwritable_outputs_keep_the_programs_exit_status(tmp_path: Path):
         ["versionwatch", "error", f"cannot write {o} no/vw.{o[2:]}"]
         for o in ("--json", "--dot", "--svg")], errors
 
+
+
+def test_bad_environment_variables_are_one_line_errors(tmp_path: Path):
+    """Issue #23, item 9: every variable versionwatch reads, given garbage."""
+    (tmp_path / "prog.py").write_text("print('ran')\n")
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("VERSIONWATCH_ON_HAZARD", "RANK", "WORLD_SIZE")}
+    # Ours: refused before the program runs, as --on-hazard garbage is.
+    r = vw("run", "prog.py", cwd=tmp_path, env={**base, "VERSIONWATCH_ON_HAZARD": "garbage"})
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", (
+        "versionwatch run: error: VERSIONWATCH_ON_HAZARD='garbage' is not a valid policy; "
+        "use one of: raise, warn, log, repair\n"))
+    r = vw("run", "--on-hazard", "garbage", "prog.py", cwd=tmp_path, env=base)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    # torchrun's: they only label the report, and the program decides what they mean;
+    # garbage there is no distributed run, and the run is the plain one.
+    for env in ({"RANK": "zero", "WORLD_SIZE": "2"}, {"RANK": "0", "WORLD_SIZE": "two"}):
+        r = vw("run", "--json", "o.json", "prog.py", cwd=tmp_path, env={**base, **env})
+        assert (r.returncode, r.stdout) == (0, "ran\n"), r.stderr
+        assert "Traceback" not in r.stderr
+        assert "rank" not in json.loads((tmp_path / "o.json").read_text())
+    # --replay decides by WORLD_SIZE whether it may re-run the program: it says so.
+    r = vw("run", "--replay", "prog.py", cwd=tmp_path, env={**base, "WORLD_SIZE": "two"})
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", (
+        "versionwatch run: error: --replay reads WORLD_SIZE to refuse distributed runs, and "
+        "WORLD_SIZE='two' is not a whole number\n"))
+
+
+CHDIR = SEED.replace("model = Model()", textwrap.dedent("""\
+    import os
+    print(sys.argv[0], __file__, flush=True)
+    os.chdir(sys.argv[1])
+    print(sys.argv[0], __file__, flush=True)
+    model = Model()"""))
+
+
+def test_outputs_and_replay_survive_a_chdir(tmp_path: Path):
+    """Issue #23, item 5: the paths given are the command's, whatever the script's cwd."""
+    (tmp_path / "train.py").write_text(CHDIR)
+    (tmp_path / "elsewhere").mkdir()
+    # A stand-in for Graphviz's dot, run from the script's new working directory.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dot").write_text("#!/bin/sh\ncat > \"$3\"\n")
+    (bin_dir / "dot").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    plain = python("train.py", "elsewhere", cwd=tmp_path)
+    r = vw("run", "--json", "o.json", "--dot", "o.dot", "--svg", "o.svg", "--replay",
+           "train.py", "elsewhere", cwd=tmp_path, env=env)
+    assert r.returncode == 1 and r.stdout == plain.stdout, r.stderr
+    # sys.argv[0] as typed, __file__ absolute: as python gives them, before and after.
+    assert r.stdout == f"train.py {tmp_path / 'train.py'}\n" * 2
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == []
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert doc["hazards"][0]["tensor"] == "model.w3"
+    assert "same hazard at backward #" in doc["hazards"][0]["replay"], doc["hazards"][0]
+    assert (tmp_path / "o.dot").read_text().startswith("digraph")
+    assert (tmp_path / "o.svg").read_text() == (tmp_path / "o.dot").read_text()
+
+
+def test_script_from_standard_input(tmp_path: Path):
+    """Issue #23, item 14: ``versionwatch run -`` reads the script from stdin, as ``python -``."""
+    probe = textwrap.dedent("""\
+        import sys, traceback
+        import torch
+        net = torch.nn.Linear(2, 1)
+        net(torch.ones(1, 2)).sum().backward()
+        print(sys.argv, repr(sys.path[0]), __name__, __file__, __cached__, __loader__,
+              __spec__, __package__, sorted(k for k in globals() if k.startswith('__')))
+        print(sys.stdin.read() == '')
+        print(traceback.extract_stack()[-1].filename)
+        raise SystemExit(4)
+    """)
+
+    def run(*argv: str, src: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, *argv], input=src, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+
+    plain = run("-", "a", "--b", src=probe)
+    assert plain.returncode == 4 and "['-', 'a', '--b'] '' __main__ <stdin> None" in plain.stdout
+    r = run("-m", "versionwatch", "run", "--json", "o.json", "-", "a", "--b", src=probe)
+    assert (r.returncode, r.stdout) == (4, plain.stdout), r.stderr
+    assert "1 backward(s) watched, no hazard" in r.stderr
+    assert json.loads((tmp_path / "o.json").read_text())["target"] == "-"
+    # A hazard: the traceback's file is <stdin>, and --replay feeds the source to its child.
+    plain = run("-", src=SEED)
+    r = run("-m", "versionwatch", "run", "--replay", "--json", "o.json", "-", src=SEED)
+    assert (r.returncode, r.stdout) == (1, plain.stdout), r.stderr
+    assert f'File "<stdin>", line {BACKWARD2}, in <module>' in r.stderr
+    (h,) = json.loads((tmp_path / "o.json").read_text())["hazards"]
+    assert h["tensor"] == "model.w3" and "same hazard at backward #" in h["replay"], h
+    assert h["modified_by"][0]["line"] == STEP1
+
+
+STALE_LOGGED = textwrap.dedent("""\
+    import torch
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.ones(1, 2)).sum()
+    loss.backward(retain_graph=True)
+    opt.step()
+    try:
+        loss.backward()
+    except RuntimeError:
+        pass
+""")
+
+
+def test_os_exit_writes_the_report(tmp_path: Path):
+    """Issue #23, item 12: ``os._exit(n)`` ends the run with the report written.
+
+    A forked child's own os._exit (multiprocessing's) writes nothing of the parent's.
+    """
+    (tmp_path / "quits.py").write_text(STALE_LOGGED + textwrap.dedent("""\
+        import inspect, multiprocessing, os, sys
+        print(os._exit.__name__, inspect.signature(os._exit))
+        child = multiprocessing.get_context("fork").Process(target=print, args=("child",))
+        child.start()
+        child.join()
+        print(child.exitcode, os.path.exists("o.json"), flush=True)
+        sys.stdout.write("unflushed, if stdout is buffered")
+        os._exit(5)
+    """))
+    plain = python("quits.py", cwd=tmp_path)
+    assert plain.returncode == 5, plain
+    assert plain.stdout.startswith("_exit (status)\nchild\n0 False\n"), plain
+    r = vw("run", "--on-hazard", "log", "--json", "o.json", "--dot", "o.dot", "quits.py",
+           cwd=tmp_path)
+    assert (r.returncode, r.stdout) == (plain.returncode, plain.stdout), r.stderr
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert (doc["exit_status"], doc["exception"], doc["ok"]) == (5, "os._exit(5)", False)
+    assert doc["hazards"][0]["tensor"] == "model.2.weight"
+    assert (tmp_path / "o.dot").read_text().startswith("digraph")
+
+
+LATE_THREAD = textwrap.dedent("""\
+    import threading
+    import torch
+
+    def train():
+        threading.main_thread().join()  # returns once the main module has ended
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(),
+                                    torch.nn.Linear(2, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = model(torch.ones(1, 2)).sum()
+        loss.backward(retain_graph=True)
+        opt.step()
+        loss.backward()
+
+    threading.Thread(target=train, name="late").start()
+    print("main done", flush=True)
+""")
+
+
+def test_non_daemon_thread_after_main_is_watched(tmp_path: Path):
+    """Issue #23, item 13: Python waits for non-daemon threads after __main__ returns, and
+    so does the watcher: a hazard there is in the report."""
+    (tmp_path / "late.py").write_text(LATE_THREAD)
+    plain = python("late.py", cwd=tmp_path)
+    assert (plain.returncode, plain.stdout) == (0, "main done\n")
+    assert "Exception in thread late" in plain.stderr and "is at version 2" in plain.stderr
+    r = vw("run", "--json", "o.json", "late.py", cwd=tmp_path)
+    assert (r.returncode, r.stdout) == (0, plain.stdout), r.stderr
+    assert "Exception in thread late" in r.stderr
+    assert "InplaceModificationError: versionwatch: backward will fail" in r.stderr
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert (doc["ok"], doc["exit_status"]) == (False, 0), doc
+    assert doc["hazards"][0]["tensor"] == "model.2.weight"
+    # The summary comes once the thread is done, after what the thread printed.
+    assert r.stderr.index("Exception in thread late") < r.stderr.index("had hazards")
+
+
+NEVER_ENDS = textwrap.dedent("""\
+    import threading, time
+    import torch
+
+    def spin():
+        threading.main_thread().join()
+        print("ready", flush=True)
+        while True:
+            time.sleep(0.05)
+
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    threading.Thread(target=spin).start()
+""")
+
+
+@pytest.mark.usefixtures("no_process_left")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_signal_while_waiting_for_threads(tmp_path: Path, sig: signal.Signals):
+    """A thread that never ends: the run waits as python does, and a signal then ends it as
+    it ends python, with the report written."""
+    (tmp_path / "spin.py").write_text(NEVER_ENDS)
+    results = []
+    for argv in ([sys.executable, "spin.py"],
+                 [sys.executable, "-m", "versionwatch", "run", "--json", "o.json", "spin.py"]):
+        p = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+            # Into the wait: CPython loses a SIGINT that comes between threading's
+            # last check for signals and its blocking lock.acquire(), plain or not.
+            time.sleep(0.5)
+            os.killpg(p.pid, sig)  # as a terminal sends Ctrl-C: to the whole group
+            out, err = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+        results.append((p.returncode, out, err))
+    (plain_status, _, plain_err), (status, _, err) = results
+    assert status == plain_status, (results, err)
+    if sig == signal.SIGINT:
+        # Python reports the interrupted wait and ends normally; so does the run.
+        assert plain_err.startswith("Exception ignored in: <module 'threading'"), plain_err
+        assert err.startswith(plain_err.split("Traceback")[0]), err
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert doc["timeline"]["events"], doc
+    if sig == signal.SIGTERM:
+        assert (doc["exit_status"], doc["exception"]) == (143, "terminated by SIGTERM")
+    else:
+        assert (doc["exit_status"], doc["exception"]) == (0, None)
+
+
+# The seed story, which stops in its replay (the second run) before the failing backward.
+REPLAY_HANGS = SEED.replace("model = Model()", textwrap.dedent("""\
+    import os, time
+    if os.path.exists("first.done"):  # the replay's run
+        with open("child.pid", "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(120)
+    open("first.done", "w").close()
+    model = Model()"""))
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def _replay_interrupted(tmp_path: Path, how: str) -> tuple[int, str, int]:
+    """``versionwatch run --replay`` of REPLAY_HANGS, hit by ``how`` while its replay runs.
+
+    Returns its exit status, its stderr and the replay child's pid. Its temporary
+    folder is tmp_path/tmp. Everything it started is killed if it outlives the test.
+    """
+    (tmp_path / "train.py").write_text(REPLAY_HANGS)
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    p = subprocess.Popen([sys.executable, "-m", "versionwatch", "run", "--replay", "--json",
+                          "o.json", "train.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    child = 0
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "child.pid").exists() or not (
+                tmp_path / "child.pid").read_text():
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+        child = int((tmp_path / "child.pid").read_text())
+        assert _alive(child)
+        if how == "ctrl-c":
+            os.killpg(p.pid, signal.SIGINT)  # as a terminal: to the foreground group
+        else:
+            p.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    deadline = time.monotonic() + 10
+    while child and _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = child and _alive(child)
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, f"the replay's child outlived its parent ({how})"
+    return p.returncode, err, child
+
+
+@pytest.mark.usefixtures("no_process_left")
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_signal_during_replay_keeps_the_first_report(tmp_path: Path, how: str):
+    """Issue #23, item 1: SIGTERM or Ctrl-C while the replay's second run goes: the first
+    run's report is written, the child dies with its parent, nothing is left in the temp
+    folder, and the run ends as the signal ends python, with no traceback of ours."""
+    status, err, _ = _replay_interrupted(tmp_path, how)
+    sig = signal.SIGTERM if how == "sigterm" else signal.SIGINT
+    assert status == -sig, err
+    assert "_replay.py" not in err and "_cli.py" not in err, err
+    # The program's own traceback (its hazard) is there; nothing after the replay began.
+    assert err.count("Traceback") == 1, err
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert (doc["exit_status"], doc["ok"]) == (1, False)
+    assert doc["exception"].startswith("InplaceModificationError: ")
+    (h,) = doc["hazards"]
+    said = "SIGTERM" if how == "sigterm" else "Ctrl-C"
+    assert h["tensor"] == "model.w3" and h["replay"] == (
+        f"not reproduced: the strict replay of the same command was interrupted ({said}); "
+        "run it with --strict instead"), h
+    assert list((tmp_path / "tmp").glob("versionwatch-replay-*")) == []
+
+
+@pytest.mark.usefixtures("no_process_left")
+def test_replay_child_dies_with_a_killed_parent(tmp_path: Path):
+    """SIGKILL leaves versionwatch no say: the kernel ends the child (PR_SET_PDEATHSIG on
+    Linux; elsewhere the child sees the pipe from its parent close), and the first
+    run's report was written before the replay began."""
+    status, _, _ = _replay_interrupted(tmp_path, "sigkill")
+    assert status == -signal.SIGKILL
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert (doc["exit_status"], doc["hazards"][0]["replay"]) == (1, None)
+    assert list((tmp_path / "tmp").glob("versionwatch-replay-*")) == []
+
+
+# A parent that starts a child tied to it as the replay's child is, then sleeps.
+TIED = textwrap.dedent("""\
+    import os, subprocess, sys, time
+    r, w = os.pipe()
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\\n"
+         "from versionwatch._replay import tie_to_parent\\n"
+         "tie_to_parent(int(sys.argv[1]), int(sys.argv[2]), pdeathsig=sys.argv[3] == '1')\\n"
+         "print('tied', flush=True)\\n"
+         "time.sleep(120)\\n", str(os.getpid()), str(r), sys.argv[1]],
+        pass_fds=(r,), start_new_session=True, stdout=subprocess.PIPE, text=True)
+    os.close(r)
+    assert child.stdout.readline() == "tied\\n"
+    print(child.pid, flush=True)
+    time.sleep(120)
+""")
+
+
+@pytest.mark.usefixtures("no_process_left")
+@pytest.mark.parametrize("pdeathsig", [True, False], ids=["pdeathsig", "pipe"])
+def test_tied_child_dies_with_a_killed_parent(tmp_path: Path, pdeathsig: bool):
+    """Each of the two ties alone kills the replay's child when its parent is SIGKILLed:
+    PR_SET_PDEATHSIG (Linux), and the pipe its daemon thread watches (everywhere)."""
+    if pdeathsig and not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    (tmp_path / "tied.py").write_text(TIED)
+    p = subprocess.Popen([sys.executable, "tied.py", "1" if pdeathsig else "0"], cwd=tmp_path,
+                         stdout=subprocess.PIPE, text=True)
+    child = 0
+    try:
+        assert p.stdout is not None
+        child = int(p.stdout.readline())
+        assert _alive(child)
+        p.kill()
+        p.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        if child and _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_replay_after_the_programs_threads(tmp_path: Path):
+    """A hazard in the main module, a thread still running: the outputs and the replay
+    come once Python has joined the thread (at exit, where Python 3.12 lets no thread
+    start: the replay starts none)."""
+    (tmp_path / "train.py").write_text(SEED.replace("model = Model()", textwrap.dedent("""\
+        import threading
+        threading.Thread(target=threading.main_thread().join, name="late").start()
+        model = Model()""")))
+    r = vw("run", "--replay", "--json", "o.json", "train.py", cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    (h,) = json.loads((tmp_path / "o.json").read_text())["hazards"]
+    assert "same hazard at backward #" in h["replay"], h
+    assert h["modified_by"][0]["line"] == line_of(SEED, "optim.step()") + 2

@@ -420,3 +420,73 @@ def test_merge_bad_input(tmp_path: Path) -> None:
                        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert p.returncode == 2 and p.stderr.startswith("versionwatch merge: error: "), p.stderr
     assert "Traceback" not in p.stderr
+
+
+# Every field merge reads, with the JSON types it may hold (None: null).
+_FIELDS: list[tuple[tuple[Any, ...], tuple[type | None, ...]]] = [
+    (("ok",), (bool,)), (("hazards",), (list, None)), (("rank",), (int, None)),
+    (("world_size",), (int, None)), (("exit_status",), (int, None)),
+    (("exception",), (str, None)), (("timeline",), (dict, None)),
+    (("timeline", "events"), (list, None)), (("timeline", "events", 0), (dict,)),
+    (("timeline", "events", 0, "versions"), (dict, None)),
+    (("timeline", "events", 0, "versions", "m.w"), (int, None)),
+    (("hazards", 0), (dict,)), (("hazards", 0, "kind"), (str, None)),
+    (("hazards", 0, "tensor"), (str, None)), (("hazards", 0, "saved_by"), (str, None)),
+    (("hazards", 0, "slot"), (str, None)), (("hazards", 0, "backward_site"), (dict, None)),
+    (("hazards", 0, "backward_site", "file"), (str, None)),
+    (("hazards", 0, "backward_site", "line"), (int, None)),
+    (("hazards", 0, "modified_by"), (list, None)), (("hazards", 0, "modified_by", 0), (dict,)),
+    (("hazards", 0, "modified_by", 0, "description"), (str, None)),
+]
+# Wrong values of each JSON type: a string where a number goes, a list where an object goes...
+_VALUES: list[Any] = ["2", "", 1, 0, 1.5, True, False, None, [], [1], {}, {"a": 1}]
+
+
+def _json_type(value: Any) -> type | None:
+    return None if value is None else type(value)
+
+
+def _field_name(keys: tuple[Any, ...]) -> str:
+    return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in keys).lstrip(".")
+
+
+def test_merge_wrong_typed_fields_name_the_file_and_the_field(tmp_path: Path) -> None:
+    """Issue #23, item 8: a wrong-typed field is bad input (one line, exit 2), not a crash."""
+    hazard = {"kind": "inplace", "tensor": "m.w", "saved_by": "MulBackward0", "slot": "other",
+              "backward_site": {"file": "t.py", "line": 3},
+              "modified_by": [{"description": "SGD.step() #1"}]}
+    good = _doc(1, 1, [hazard], {"m.w": 2})
+    (tmp_path / "r0.json").write_text(json.dumps(_doc(0, 1, [hazard], {"m.w": 2})))
+    path = tmp_path / "r1.json"
+    path.write_text(json.dumps(good))
+    assert merge([str(tmp_path / "r0.json"), str(path)])["ranks"][1]["rank"] == 1
+    tried = 0
+    for keys, allowed in _FIELDS:
+        for value in _VALUES:
+            if _json_type(value) in allowed:  # JSON's true is no integer: bool is not int here
+                continue
+            doc = json.loads(json.dumps(good))
+            target = doc
+            for k in keys[:-1]:
+                target = target[k]
+            target[keys[-1]] = value
+            path.write_text(json.dumps(doc))
+            field = _field_name(keys)
+            with pytest.raises(MergeError) as caught:
+                merge([str(tmp_path / "r0.json"), str(path)])
+            said = str(caught.value)
+            assert said.startswith(f"{path}: field {field} is "), (field, value, said)
+            assert "\n" not in said
+            tried += 1
+    assert tried > 150
+    # Through the command: one line naming the file and the field, exit 2 (not 1: a hazard).
+    bad = json.loads(json.dumps(good))
+    bad["hazards"][0]["backward_site"]["line"] = "3"
+    path.write_text(json.dumps(bad))
+    p = subprocess.run([sys.executable, "-m", "versionwatch", "merge", "r0.json", "r1.json"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert (p.returncode, p.stdout) == (2, ""), p.stderr
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith(
+        "versionwatch merge: error: r1.json: field hazards[0].backward_site.line is a string, "
+        "not an integer or null"), p.stderr

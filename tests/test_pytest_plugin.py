@@ -97,3 +97,76 @@ def test_on_hazard_repair_option_repairs_what_a_step_overwrites(suite: pytest.Py
                                         "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines(["*FAILED test_suite.py::test_marked*"])
+
+
+MISUSED = """
+import pytest
+import torch
+
+def run():
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+
+@pytest.mark.versionwatch("warn", True)
+def test_two_positional():
+    run()
+
+@pytest.mark.versionwatch(strcit=True)
+def test_misspelt():
+    run()
+
+@pytest.mark.versionwatch("warn", on_hazard="log")
+def test_policy_twice():
+    run()
+
+@pytest.mark.versionwatch(on_hazard="ignore")
+def test_bad_policy():
+    run()
+
+@pytest.mark.versionwatch(strict="no")
+def test_strict_not_a_bool():
+    run()
+
+@pytest.mark.versionwatch("log", strict=True, stop_at_write=False)
+def test_right():
+    run()
+"""
+
+
+def test_marker_misuse_is_an_error_of_the_test(pytester: pytest.Pytester):
+    """Issue #23, item 10: a wrong marker is a clear setup error naming the test, not a
+    TypeError from inside the plugin, and a misspelt keyword is not silently ignored."""
+    pytester.makepyfile(test_misused=MISUSED)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rE")
+    result.assert_outcomes(passed=1, errors=5)
+    out = result.stdout.str()
+    assert "TypeError" not in out and "_pytest_plugin.py" not in out, out
+    result.stdout.fnmatch_lines_random([
+        "*ERROR at setup of test_two_positional*",
+        "*test_misused.py::test_two_positional: @pytest.mark.versionwatch takes at most one "
+        "positional argument (on_hazard), not 2*",
+        "*test_misused.py::test_misspelt: @pytest.mark.versionwatch got an unexpected keyword "
+        "argument 'strcit' (did you mean 'strict'?)*",
+        "*test_misused.py::test_policy_twice: @pytest.mark.versionwatch got on_hazard twice*",
+        "*test_misused.py::test_bad_policy: @pytest.mark.versionwatch: on_hazard='ignore' is "
+        "not a valid policy; use one of: raise, warn, log, repair*",
+        "*test_misused.py::test_strict_not_a_bool: @pytest.mark.versionwatch: strict='no' is "
+        "not True or False*",
+    ])
+
+
+def test_bad_policy_variable_is_a_usage_error(suite: pytest.Pytester,
+                                              monkeypatch: pytest.MonkeyPatch):
+    """Issue #23, item 9: $VERSIONWATCH_ON_HAZARD as pytest says a bad option, no traceback."""
+    monkeypatch.setenv("VERSIONWATCH_ON_HAZARD", "garbage")
+    result = suite.runpytest_subprocess("--versionwatch", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: VERSIONWATCH_ON_HAZARD='garbage' is not a valid policy; "
+                                 "use one of: raise, warn, log, repair"])
+    assert "Traceback" not in result.stderr.str() + result.stdout.str()
+    # Without the flag, the marked test alone errs, in one line that names it.
+    result = suite.runpytest_subprocess("-p", "no:cacheprovider", "-k", "marked")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*test_suite.py::test_marked: VERSIONWATCH_ON_HAZARD="
+                                 "'garbage' is not a valid policy*"])
+    assert "_pytest_plugin.py" not in result.stdout.str()

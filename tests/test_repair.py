@@ -646,3 +646,59 @@ def test_a_watcher_whose_close_raises_still_hands_repair_back(monkeypatch):
         y2_pred.sum().backward()
         assert outer.repair_summary()["repairs"] >= 1
     assert installed() == {}
+
+
+# -- complex parameters whose real view the graph saved (issue #23, item 7) -------------------
+
+class ComplexReal(nn.Module):
+    def __init__(self, view: str, clone: bool = False) -> None:
+        super().__init__()
+        self.view, self.clone = view, clone
+        self.p = nn.Parameter(torch.randn(3, 4, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.p
+        r = {"view_as_real": lambda: torch.view_as_real(p),
+             "real": lambda: p.real[:, :, None].expand(3, 4, 2),
+             "imag": lambda: p.imag[:, :, None].expand(3, 4, 2),
+             # a complex view of p, read through its conjugate bit
+             "conj": lambda: p.conj()[:, :, None].expand(3, 4, 2)}[self.view]()
+        if self.clone:  # what the graph saves is then its own memory
+            r = r.clone()
+        if self.view == "conj":
+            return (r * x).real.sum() + (r * r).abs().sum()
+        return (r * x).sum() + (r * r).sum()  # mul saves r: a float view of p
+
+
+def complex_real(mode: str, view: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = ComplexReal(view, clone=mode == "clone")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    out: list[torch.Tensor] = []
+    with _mode_ctx(mode, {"model": model}, opt):
+        for _ in range(STEPS):
+            x = torch.randn(3, 4, 2, requires_grad=True,
+                            dtype=torch.complex64 if view == "conj" else torch.float32)
+            loss = model(x)
+            opt.zero_grad()
+            loss.backward(retain_graph=True)
+            opt.step()  # writes p, whose real view the graph saved
+            (loss * 2).backward()
+            out.append(x.grad.clone())
+            _snap(out, model)
+    return out
+
+
+@pytest.mark.parametrize("view", ["view_as_real", "real", "imag", "conj"])
+def test_complex_parameter_whose_real_view_was_saved_is_repaired(view: str):
+    """As the hand-cloned run and allow_mutation_on_saved_tensors: bitwise."""
+    modes = ["clone", "allow_mutation", "repair", "repair_strict"]
+    if view == "imag":
+        # allow_mutation_on_saved_tensors reads p.imag as it is after the step
+        # (torch 2.13 and 2.4.1): the hand-cloned run is the reference.
+        modes.remove("allow_mutation")
+    if view == "conj":
+        # The clone resolves the conjugate bit, and torch 2.4.1's product then rounds
+        # otherwise in the forward too: the program's own forward is the reference.
+        modes.remove("clone")
+    _same({m: complex_real(m, view) for m in modes})

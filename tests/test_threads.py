@@ -6,8 +6,11 @@ Each test compares every thread's prediction with what its real backward did.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -436,3 +439,126 @@ def test_a_strict_entry_left_on_a_thread_is_counted_until_the_thread_ends():
         finish.set()
         t.join(JOIN_S)
     assert installed() == {}  # its stack went with the thread
+
+
+# A backward whose hook starts a thread that runs a backward, then joins it: the
+# thread's backward must not wait for the outer one, which waits for it (issue #23,
+# item 3). Each case prints what happened; the watched run must print the same.
+HOOK_JOINS = """\
+import sys, threading, time
+import torch
+
+case, watched = sys.argv[1], sys.argv[2] == "watched"
+torch.manual_seed(0)
+x = torch.randn(4, requires_grad=True)
+said = []
+
+def in_thread(fn):
+    def run():
+        try:
+            fn()
+            said.append("thread ok")
+        except RuntimeError as e:
+            said.append("thread " + str(e).split(".")[0])
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+def main():
+    if case == "unrelated":  # the repro: a graph of its own
+        y = x * 2
+        w = torch.ones(3, requires_grad=True)
+        y.register_hook(lambda g: in_thread(lambda: (w * 3).sum().backward()).join())
+        y.sum().backward()
+    elif case == "shared":  # the thread runs (and frees) a part the outer one has yet to run
+        h = x.exp()
+        y, z = h * 2, h * 3
+        y.register_hook(lambda g: in_thread(lambda: z.sum().backward()).join())
+        y.sum().backward()
+    elif case == "cuda":  # the hook of a CUDA node runs on autograd's device thread
+        y = torch.randn(4, device="cuda", requires_grad=True) * 2
+        w = torch.ones(3, requires_grad=True)
+        y.register_hook(lambda g: in_thread(lambda: (w * 3).sum().backward()).join())
+        y.sum().backward()
+    elif case == "later":  # started by one hook, joined by a later one
+        threads = []
+        m = x * 1.0  # backward reaches it last: its hook joins the thread
+        m.register_hook(lambda g: threads[0].join())
+        a = torch.randn(800, 800, requires_grad=True) / 30
+        h = m.sum() * a
+        for _ in range(8):  # C work between the two hooks, while the thread departs
+            h = (h @ a).tanh()
+        h = h * 1.0  # backward reaches it first: its hook starts the thread
+        w = torch.ones(3, requires_grad=True)
+        h.register_hook(lambda g: threads.append(in_thread(lambda: (w * 3).sum().backward())))
+        h.sum().backward()
+
+start = time.perf_counter()
+try:
+    if watched:
+        import versionwatch
+        with versionwatch.watch_all():
+            main()
+    else:
+        main()
+    said.append("outer ok")
+except RuntimeError as e:
+    said.append("outer " + str(e).split(".")[0])
+print(sorted(said), file=sys.stderr)
+print(time.perf_counter() - start)
+"""
+
+
+@pytest.mark.parametrize("case", [
+    "unrelated", "shared", "later",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA GPU")]),
+])
+def test_a_hook_that_joins_a_thread_running_backward_never_stalls(case: str,
+                                                                  tmp_path: Path) -> None:
+    """Plain: milliseconds. Watched, the thread's backward waited 60 s for the outer one."""
+    (tmp_path / "hook_joins.py").write_text(HOOK_JOINS)
+    runs = []
+    for mode in ("plain", "watched"):
+        # Bounded: a stall of the watched run fails here, well before 60 s.
+        p = subprocess.run([sys.executable, "hook_joins.py", case, mode], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=45)
+        assert p.returncode == 0, p.stderr
+        runs.append((float(p.stdout), p.stderr))
+    (plain_s, plain), (watched_s, watched) = runs
+    assert watched == plain
+    # Not a benchmark: far below the 60 s that it took, far above any scheduling noise.
+    assert watched_s < plain_s + 10, (plain_s, watched_s)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pthread_create via ctypes")
+@pytest.mark.parametrize("dummy", [False, True], ids=["unnamed", "current_thread"])
+def test_a_thread_python_did_not_start_running_program_code_is_not_waited_on(
+        dummy: bool) -> None:
+    """Autograd's device threads run the hooks of CUDA nodes: threads Python did not
+    start. While one runs the program's code, which backward it serves is unknown, and
+    a prediction waits for none (the hook may be waiting for it)."""
+    import ctypes
+
+    from versionwatch import _inflight
+
+    inside, leave = threading.Event(), threading.Event()
+
+    def hook(_: object) -> None:  # the program's code, on a thread of C's
+        if dummy:
+            threading.current_thread()  # Python then lists it, as a dummy thread
+        inside.set()
+        leave.wait(JOIN_S)
+
+    callback = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(hook)
+    libc = ctypes.CDLL(None)
+    tid = ctypes.c_ulong()
+    assert _inflight._may_wait_for([])
+    assert libc.pthread_create(ctypes.byref(tid), None, callback, None) == 0
+    try:
+        assert inside.wait(JOIN_S)
+        assert not _inflight._may_wait_for([])
+    finally:
+        leave.set()
+        libc.pthread_join(tid, None)
+    assert _inflight._may_wait_for([])

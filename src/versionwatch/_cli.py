@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import builtins
 import io
 import json
@@ -13,21 +14,23 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
-from importlib.machinery import SourceFileLoader
-from types import ModuleType, TracebackType
-from typing import TYPE_CHECKING, Any, NoReturn
+from importlib.machinery import BuiltinImporter, SourceFileLoader
+from types import CodeType, FrameType, ModuleType, TracebackType
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from versionwatch._config import POLICIES
-from versionwatch._teardown import TermGuard
+from versionwatch._teardown import TermGuard, threads_left
 
 if TYPE_CHECKING:
     from versionwatch._auto import AutoWatcher
+    from versionwatch._replay import Child
 
 USAGE = """\
 versionwatch run [--on-hazard raise|warn|log|repair] [--json PATH] [--dot PATH] [--svg PATH]
                  [--quiet] [--strict] [--stop-at-write] [--replay]
-                 (SCRIPT | -m MODULE) [ARGS...]
+                 (SCRIPT | -m MODULE | -) [ARGS...]
 versionwatch merge [--json PATH] REPORT...
 versionwatch demo
 versionwatch native (build [--timeout SECONDS] [--force] [--verbose] | status)"""
@@ -70,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--replay-child", metavar="N:PATH", help=argparse.SUPPRESS)
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     run.add_argument("target", nargs=argparse.REMAINDER,
-                     help="SCRIPT [ARGS...], or ARGS... with -m")
+                     help="SCRIPT [ARGS...], or ARGS... with -m; SCRIPT - reads the script "
+                     "from standard input, as python - does")
     merge = sub.add_parser(
         "merge", help="summarize the per-rank JSON reports of a distributed run",
         description="Read the reports that `versionwatch run --json PATH` wrote on each rank "
@@ -95,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-_FORWARD_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_forward.py")
+_CLI_FILE = os.path.abspath(__file__)
+_FORWARD_FILE = os.path.join(os.path.dirname(_CLI_FILE), "_forward.py")
 
 
 def _print_uncaught(err: BaseException) -> None:
@@ -114,7 +119,7 @@ def _print_uncaught(err: BaseException) -> None:
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
         if not (name.endswith("runpy.py") or "<frozen runpy>" in name
-                or os.path.abspath(name) == os.path.abspath(__file__)
+                or os.path.abspath(name) == _CLI_FILE
                 # The forward route's frame between torch's own: not in a plain run.
                 or os.path.abspath(name) == _FORWARD_FILE
                 or (ours and is_library(name))):
@@ -165,10 +170,16 @@ def _write_outputs(args: argparse.Namespace, watcher: AutoWatcher, status: int,
     # group was set up without torchrun has no RANK: the rank seen during the run.
     rank = (current_rank() or next((r.rank for r in reports if r.rank is not None), None)
             or watcher.rank_seen)
-    if rank is not None:  # each rank its own files, not all of them the same
-        for option in ("json", "dot", "svg"):
-            if getattr(args, option):
-                setattr(args, option, rank_path(getattr(args, option), rank[0]))
+    # Where each output goes (resolved at start-up: the program may chdir) and
+    # the path as typed, for messages.
+    outputs: dict[str, tuple[str, str]] = {}
+    for option in ("json", "dot", "svg"):
+        typed = getattr(args, option)
+        if typed:
+            where = getattr(args, "resolved", {}).get(option, typed)
+            if rank is not None:  # each rank its own files, not all of them the same
+                where, typed = rank_path(where, rank[0]), rank_path(typed, rank[0])
+            outputs[option] = (where, typed)
     if isinstance(err, str):
         exception: str | None = err
     else:
@@ -197,40 +208,40 @@ def _write_outputs(args: argparse.Namespace, watcher: AutoWatcher, status: int,
         if watcher.policy == "repair":
             doc["repairs"] = [r.to_dict() for r in watcher.repairs]
             doc["repair_summary"] = watcher.repair_summary()
-        _write_file("--json", args.json, json.dumps(doc, indent=2) + "\n")
+        _write_file("--json", *outputs["json"], json.dumps(doc, indent=2) + "\n")
     if args.dot or args.svg:
         merged = Report(hazards=[h for r in reports for h in r.hazards])
         dot = merged.to_dot()
         if args.dot:
-            _write_file("--dot", args.dot, dot)
+            _write_file("--dot", *outputs["dot"], dot)
         if args.svg:
             exe = shutil.which("dot")
             if exe is None:
                 print("versionwatch: --svg needs Graphviz's `dot` program; it is not installed "
                       "(the DOT text is still available with --dot)", file=sys.stderr)
             else:
-                _render_svg(exe, args.svg, dot)
+                _render_svg(exe, *outputs["svg"], dot)
 
 
-def _render_svg(exe: str, path: str, dot: str) -> None:
+def _render_svg(exe: str, path: str, shown: str, dot: str) -> None:
     try:
         done = subprocess.run([exe, "-Tsvg", "-o", path], input=dot.encode(),
                               stderr=subprocess.PIPE)
     except OSError as e:
-        _output_error("--svg", path, e.strerror or str(e))
+        _output_error("--svg", shown, e.strerror or str(e))
         return
     if done.returncode != 0:
         said = done.stderr.decode(errors="replace").strip().splitlines()
-        _output_error("--svg", path,
+        _output_error("--svg", shown,
                       said[-1] if said else f"`dot` exited with status {done.returncode}")
 
 
-def _write_file(option: str, path: str, text: str) -> None:
+def _write_file(option: str, path: str, shown: str, text: str) -> None:
     try:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
     except OSError as e:
-        _output_error(option, path, e.strerror or str(e))
+        _output_error(option, shown, e.strerror or str(e))
 
 
 def _output_error(option: str, path: str, problem: str) -> None:
@@ -255,11 +266,29 @@ def _run_script(path: str) -> None:
         with io.open_code(filename) as f:
             # Not this module's `from __future__ import annotations`.
             code = compile(f.read(), filename, "exec", dont_inherit=True)
-    main = ModuleType("__main__")
-    main.__dict__.update(__file__=filename, __cached__=None, __package__=None, __spec__=None,
-                         __loader__=SourceFileLoader("__main__", filename),
-                         __builtins__=builtins)
+    _exec_main(code, filename, SourceFileLoader("__main__", filename))
+
+
+def _run_stdin(source: bytes) -> None:
+    """Run ``source``, read from standard input, as ``python -`` runs it.
+
+    Python compiles it as ``<stdin>`` and gives ``__main__`` that ``__file__``, a
+    ``__cached__`` of None and the builtin importer as its loader.
+    """
+    code = compile(source, "<stdin>", "exec", dont_inherit=True)
+    _exec_main(code, "<stdin>", BuiltinImporter)
+
+
+def _exec_main(code: CodeType, file: str, loader: Any) -> None:
+    """Run ``code`` in a fresh ``__main__`` module, as the interpreter makes its own."""
+    main = ModuleType("__main__")  # __name__, __doc__, __package__, __loader__, __spec__
+    main.__loader__ = loader
     saved = sys.modules.get("__main__")
+    # The interpreter's own __main__ starts with an empty __annotations__ (up to
+    # Python 3.13): the program's gets one whenever ours has it. In its order.
+    annotated = "__annotations__" in getattr(saved, "__dict__", {})
+    first: dict[str, Any] = {"__annotations__": {}} if annotated else {}
+    main.__dict__.update(first, __builtins__=builtins, __file__=file, __cached__=None)
     sys.modules["__main__"] = main
     try:
         exec(code, main.__dict__)
@@ -272,7 +301,7 @@ def _run_script(path: str) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     import versionwatch
-    from versionwatch._replay import CHILD_OPTION
+    from versionwatch._replay import send_report, tie_to_parent
     from versionwatch._watch import ReplayStop
 
     if args.module:
@@ -283,7 +312,8 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(f"usage: {USAGE}\nversionwatch run: give a SCRIPT or -m MODULE", file=sys.stderr)
         return 2
-    if not args.module and not os.path.exists(argv[0]):
+    stdin = not args.module and argv[0] == "-"
+    if not args.module and not stdin and not os.path.exists(argv[0]):
         print(f"versionwatch run: can't open file {argv[0]!r}: no such file", file=sys.stderr)
         return 2
     if args.replay:
@@ -298,89 +328,225 @@ def _run(args: argparse.Namespace) -> int:
             return 2
     child = _child(args.replay_child)
     if args.replay_child is not None and child is None:
-        print("versionwatch run: --replay-child takes N:PATH", file=sys.stderr)
+        print("versionwatch run: --replay-child takes N:PARENT:DEATH_FD:REPORT_FD",
+              file=sys.stderr)
         return 2
+    if child is not None:  # first: from now on, this child dies with its parent
+        tie_to_parent(child.parent, child.death_fd)
+    # Resolved now, where the command runs: the program may chdir.
+    args.cwd = os.getcwd()
+    args.resolved = {option: os.path.join(args.cwd, getattr(args, option))
+                     for option in ("json", "dot", "svg") if getattr(args, option)}
+    # As python -: the whole script first; the program then finds stdin at its end.
+    args.source = sys.stdin.buffer.read() if stdin else None
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = argv
     if args.module:
         sys.path[0] = os.getcwd()
+    elif stdin:
+        sys.path[0] = ""
     else:
         # As python: the script's folder, symlinks resolved.
         sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
-    status = 0
-    err: BaseException | None = None
     watcher = versionwatch.watch_all(on_hazard="log" if child else args.on_hazard,
                                      strict=args.strict, stop_at_write=args.stop_at_write)
-    if child:
-        watcher.replay_at = child[0]
-
-    def on_term() -> None:
-        # The plain program dies of SIGTERM here, silently; so do we, once written.
-        watcher.close()
-        _write_outputs(args, watcher, 128 + signal.SIGTERM, "terminated by SIGTERM")
-
-    guard = TermGuard(on_term)
-    guard.install()
+    run = _Session(args, watcher, saved_argv, saved_path0)
+    if child is not None:
+        watcher.replay_at = child.backward
+        run.guard = TermGuard(run.on_term)  # the child writes no outputs of its own
+    run.guard.install()
+    before = set(threading.enumerate())
     try:
         if args.module:
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+        elif stdin:
+            _run_stdin(args.source)
         else:
             _run_script(argv[0])
     except ReplayStop as stop:
         assert child is not None
-        _write_file(CHILD_OPTION, child[1], json.dumps(
-            stop.report.to_dict() if stop.report is not None else {"ok": True}))
+        send_report(child.report_fd, stop.report.to_dict() if stop.report is not None
+                    else {"ok": True})
+        run.close()
+        run.guard.close()
         return 0
     except SystemExit as e:
         code = e.code
-        status = code if isinstance(code, int) else (0 if code is None else 1)
+        run.status = code if isinstance(code, int) else (0 if code is None else 1)
         if code is not None and not isinstance(code, int):
             print(code, file=sys.stderr)
     except BaseException as e:
-        status, err = (130 if isinstance(e, KeyboardInterrupt) else 1), e
+        run.status, run.err = (130 if isinstance(e, KeyboardInterrupt) else 1), e
         _print_uncaught(e)
-    finally:
-        guard.close()
-        watcher.close()
-        sys.argv = saved_argv
-        if saved_path0 is not None:
-            sys.path[0] = saved_path0
-        if args.replay and not isinstance(err, KeyboardInterrupt):
-            _replay(args, watcher)
-        _write_outputs(args, watcher, status, err)
-    if not args.quiet:
-        _summary(watcher, err)
-    if isinstance(err, KeyboardInterrupt):
-        _exit_interrupted(err)
-    return status
+    if child is None and threads_left(before):
+        # Python waits for them once __main__ has returned, then runs atexit:
+        # the watcher watches them until then, and the outputs are written then.
+        atexit.register(run.finish, at_exit=True)
+    else:
+        run.finish()
+    if isinstance(run.err, KeyboardInterrupt):
+        _exit_interrupted(run.err)
+    if run.interrupted:
+        _exit_interrupted(KeyboardInterrupt())
+    return run.status
 
 
-def _child(value: str | None) -> tuple[int, str] | None:
-    """``--replay-child N:PATH`` as ``(N, PATH)``; ``None`` if absent or malformed."""
+class _ChildOption(NamedTuple):
+    """``--replay-child N:PARENT:DEATH_FD:REPORT_FD``."""
+
+    backward: int
+    parent: int
+    death_fd: int
+    report_fd: int
+
+
+def _child(value: str | None) -> _ChildOption | None:
+    """``--replay-child``'s value; ``None`` if absent or malformed."""
     if value is None:
         return None
-    n, sep, path = value.partition(":")
-    if not sep or not n.isdigit() or not path:
+    parts = value.split(":")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
         return None
-    return int(n), path
+    return _ChildOption(*map(int, parts))
 
 
-def _replay(args: argparse.Namespace, watcher: AutoWatcher) -> None:
-    """Re-run the command in strict mode up to the first failing backward; merge its lines."""
-    from versionwatch._replay import merge, run_child, target
+class _Session:
+    """One ``versionwatch run``, from the program's start to the outputs written.
 
-    report = target(list(watcher.reports))
-    if report is None or report.backward is None:
-        return
-    command = ["-m", args.module, *args.target] if args.module else list(args.target)
-    print(f"versionwatch: --replay: running the same command again in strict mode, up to "
-          f"backward #{report.backward}", file=sys.stderr)
-    found, why = run_child(command, report.backward)
-    merge(report, found, why)
-    if report.hazards[0].saved_at is not None or report.hazards[0].modified_by:
-        print(report, file=sys.stderr)
-    else:
-        print(f"versionwatch: --replay: {report.replay}", file=sys.stderr)
+    It ends in one of these ways, each of which writes the outputs once the
+    watcher is closed: the program's end (``finish``, at once or, when threads
+    that Python waits for are left, at exit after them), SIGTERM (``on_term``)
+    or ``os._exit`` (``on_exit``). ``guard.lock`` orders them: the first one
+    to end the process holds it until the process is gone.
+    """
+
+    def __init__(self, args: argparse.Namespace, watcher: AutoWatcher, saved_argv: list[str],
+                 saved_path0: str | None) -> None:
+        self.args = args
+        self.watcher = watcher
+        self.saved_argv = saved_argv
+        self.saved_path0 = saved_path0
+        self.status = 0
+        self.err: BaseException | None = None
+        # "program" (watched, threads included), "finish" (the outputs, the
+        # replay), "done".
+        self.phase = "program"
+        self.child: Child | None = None
+        self.interrupted = False  # Ctrl-C came once the program had ended
+        self.waiting = False  # for the replay's child
+        wanted = args.json or args.dot or args.svg
+        self.guard = TermGuard(self.on_term, self.on_exit if wanted else None)
+
+    def close(self) -> None:
+        """Close the watcher and give back what the run took: once, whatever comes."""
+        with self.guard.lock:
+            self.watcher.close()
+            sys.argv = self.saved_argv
+            if self.saved_path0 is not None and sys.path:
+                sys.path[0] = self.saved_path0
+
+    def finish(self, at_exit: bool = False) -> None:
+        """The program has ended: close, replay if asked, write the outputs, summarize."""
+        with self.guard.lock:
+            if self.phase != "program":
+                return
+            self.phase = "finish"
+            self.close()
+        # Ctrl-C from here on is noted, not raised into the middle of a write;
+        # it stops a replay that runs, and the run then ends by SIGINT.
+        previous = None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            previous = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            if self.args.replay and not isinstance(self.err, KeyboardInterrupt):
+                self._replay()
+            with self.guard.lock:
+                _write_outputs(self.args, self.watcher, self.status, self.err)
+                if not self.args.quiet:
+                    _summary(self.watcher, self.err)
+        finally:
+            self.phase = "done"
+            self.guard.close()
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        if at_exit and self.interrupted:
+            # Too late to raise: end by SIGINT as the interrupted program would.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def _replay(self) -> None:
+        """Re-run the command in strict mode up to the first failing backward; merge its lines.
+
+        The first run's outputs are written first, so that they are there whatever
+        happens to the replay.
+        """
+        from versionwatch._replay import Child, merge, target
+
+        args = self.args
+        report = target(list(self.watcher.reports))
+        if report is None or report.backward is None:
+            return
+        with self.guard.lock:
+            _write_outputs(args, self.watcher, self.status, self.err)
+            command = ["-m", args.module, *args.target] if args.module else list(args.target)
+            print(f"versionwatch: --replay: running the same command again in strict mode, "
+                  f"up to backward #{report.backward}", file=sys.stderr)
+            self.child = Child(command, report.backward, args.cwd, args.source)
+        try:
+            self.waiting = True
+            found, why = self.child.run()
+        except KeyboardInterrupt:
+            self.child.stop("Ctrl-C")
+            self.interrupted = True
+            found, why = None, "was interrupted (Ctrl-C)"
+        finally:
+            self.waiting = False
+        with self.guard.lock:
+            if merge(report, found, why):
+                print(report, file=sys.stderr)
+            else:
+                print(f"versionwatch: --replay: {report.replay}", file=sys.stderr)
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        self.interrupted = True
+        if self.waiting:  # for the replay's child: stop waiting, and stop it (once)
+            self.waiting = False
+            raise KeyboardInterrupt
+
+    def _stop_replay(self, why: str) -> None:
+        """Stop a replay that runs, and say so in its report."""
+        from versionwatch._replay import merge, target
+
+        if self.child is not None and self.child.stop(why):
+            report = target(list(self.watcher.reports))
+            if report is not None:
+                merge(report, None, f"was interrupted ({why})")
+
+    def on_term(self) -> None:
+        """SIGTERM, on any thread: the outputs, then the run dies of it."""
+        if self.phase == "program":
+            # The plain program dies of SIGTERM here, silently; so do we, once written.
+            self.watcher.close()
+            _write_outputs(self.args, self.watcher, 128 + signal.SIGTERM,
+                           "terminated by SIGTERM")
+        elif self.phase == "finish":
+            # The program has ended: its outcome stands; the replay is what stops.
+            self._stop_replay("SIGTERM")
+            _write_outputs(self.args, self.watcher, self.status, self.err)
+
+    def on_exit(self, status: int) -> None:
+        """``os._exit(status)``, on any thread: the outputs, then the real exit."""
+        if self.phase == "program":
+            self.watcher.close()
+            _write_outputs(self.args, self.watcher, status, f"os._exit({status})")
+        elif self.phase == "finish":
+            self._stop_replay(f"os._exit({status})")
+            _write_outputs(self.args, self.watcher, self.status, self.err)
+
+
 def _merge(args: argparse.Namespace) -> int:
     from versionwatch._ranks import MergeError, merge, render_merged
 
@@ -391,7 +557,7 @@ def _merge(args: argparse.Namespace) -> int:
         return 2
     print(render_merged(summary))
     if args.json:
-        _write_file("--json", args.json, json.dumps(summary, indent=2) + "\n")
+        _write_file("--json", args.json, args.json, json.dumps(summary, indent=2) + "\n")
     return 0 if summary["ok"] else 1
 
 
@@ -465,6 +631,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     if args.command == "merge":
         return _merge(args)
+    if args.command == "run":
+        from versionwatch._config import env_problem
+
+        problem = env_problem()
+        if problem is not None:  # as argparse says a bad --on-hazard, before anything runs
+            print(f"versionwatch run: error: {problem}", file=sys.stderr)
+            return 2
     if args.command == "native":
         from versionwatch._native import command
 

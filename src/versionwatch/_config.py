@@ -12,14 +12,25 @@ POLICIES = ("raise", "warn", "log", "repair")
 ENV_VAR = "VERSIONWATCH_ON_HAZARD"
 
 
+def env_problem() -> str | None:
+    """What is wrong with ``$VERSIONWATCH_ON_HAZARD``, in one line; ``None`` if nothing.
+
+    The command line checks it before it runs anything (exit status 2, as for a bad
+    ``--on-hazard``); ``watch()`` raises it as a ``ValueError``.
+    """
+    env = os.environ.get(ENV_VAR)
+    if env and env not in POLICIES:
+        return f"{ENV_VAR}={env!r} is not a valid policy; use one of: {', '.join(POLICIES)}"
+    return None
+
+
 def resolve_policy(on_hazard: Policy) -> Policy:
     """The effective policy: ``$VERSIONWATCH_ON_HAZARD`` wins over the argument."""
+    problem = env_problem()
+    if problem is not None:
+        raise ValueError(problem)
     env = os.environ.get(ENV_VAR)
     if env:
-        if env not in POLICIES:
-            raise ValueError(
-                f"{ENV_VAR}={env!r} is not a valid policy; use one of: {', '.join(POLICIES)}"
-            )
         return env  # type: ignore[return-value]
     if callable(on_hazard):
         return on_hazard

@@ -14,6 +14,20 @@ reentrant checkpoint, a hook that calls backward, on the caller's or a device
 thread), whose outer backward may be the very flight it would wait for.
 Flights over disjoint graphs run concurrently.
 
+Nor does a prediction wait for a flight that may be waiting for it: one whose
+backward is running the program's own Python code (a hook, a custom
+Function's backward) rather than PyTorch's engine. That code can wait for
+anything, such as a thread it started to run this very backward and then
+joined; the flight could then never land before the waiter does. While its
+thread runs only PyTorch's and versionwatch's code above its backward call,
+a flight lands on its own, and waiting for it is safe. A waiter re-checks
+this every ``RECHECK_S`` (a flight cannot say when its engine calls into a
+hook), so it stops waiting as soon as the flight's backward enters the
+program's code; it waits for nothing else, and for no fixed time. A prediction
+that does not wait races the flight's backward as it would without a watcher,
+and is exact whenever that backward stays in its hook until the waiter's
+backward ends (a hook that joins the thread it started).
+
 Node identity: a node's Python wrapper lives only while something holds it,
 and the next walk may get a new one, at a reused address. So a flight in the
 air holds the wrappers its prediction walked (only while the process runs
@@ -30,19 +44,29 @@ thread's prediction until it lands.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 import torch
 
 from versionwatch._report import Report, Site
 
-# A safety valve, not a tuning knob: user code inside a backward (a hook that
-# joins a thread) could block on a thread that waits here. After this long the
-# prediction runs anyway, racing as it would without a watcher.
-WAIT_LIMIT_S = 60.0
+# How often a waiting prediction looks again at what the flights it waits for
+# run (see the module's docstring): a wait ends on a condition, never after a
+# fixed time.
+RECHECK_S = 0.01
+# Frames of these folders are not the program's: PyTorch's and versionwatch's.
+_OWN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+_LIBRARY_DIRS = (os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), ""), _OWN_DIR)
+# The watcher's method that every watched backward runs in, from its prediction
+# to its end (a flight's whole life): above its frame, the prediction, PyTorch's
+# backward and its engine, and whatever the engine calls back.
+_BACKWARD_ENTRY = "_run_backward"
 
 # _MUTEX is _COND's lock: taken directly on the hot paths (Condition's own
 # __enter__ is a Python call), with the same effect.
@@ -96,14 +120,15 @@ class Flight:
             last ``exact`` ones, which shared a node with it in the air.
     """
 
-    __slots__ = ("exact", "freed_by", "frees", "held", "label", "nodes", "owner", "prints",
-                 "site", "thread", "thread_name", "token")
+    __slots__ = ("exact", "freed_by", "frees", "held", "ident", "label", "nodes", "owner",
+                 "prints", "site", "thread", "thread_name", "token")
 
     def __init__(self, owner: object, label: str, site: Site | None,
                  frees: bool = True) -> None:
         self.owner = id(owner)
         self.exact = 0
         self.thread = _SERIAL.value or _thread_serial()
+        self.ident = threading.get_ident()
         self.thread_name = threading.current_thread().name
         self.label = label
         self.site = site
@@ -161,7 +186,11 @@ def depart(flight: Flight, nodes: Sequence[Any]) -> None:
             global _WAITING
             _WAITING += 1
             try:
-                _COND.wait_for(lambda: not blocking(), timeout=WAIT_LIMIT_S)
+                while True:
+                    flights = blocking()
+                    if not flights or not _may_wait_for(flights):
+                        break
+                    _COND.wait(RECHECK_S)
             finally:
                 _WAITING -= 1
         if ids is not None:
@@ -171,6 +200,43 @@ def depart(flight: Flight, nodes: Sequence[Any]) -> None:
             flight.freed_by, flight.exact = landed + exact, len(exact)
         flight.token = next(_TOKENS)
         _FLYING[flight.token] = flight
+
+
+def _may_wait_for(flights: list[Flight]) -> bool:
+    """Whether each of ``flights`` will land without the program's help.
+
+    No, if its thread runs the program's own code inside its backward (a hook
+    that may be waiting for the waiter); no, too, if a thread that Python did
+    not start (autograd's device threads, which run the hooks of CUDA nodes)
+    runs the program's code, since which backward it serves is unknown.
+    """
+    frames = sys._current_frames()
+    # A thread that Python did not start shows as a dummy once it asks for
+    # current_thread(), if ever.
+    dummy = getattr(threading, "_DummyThread", ())
+    started = {t.ident for t in threading.enumerate() if not isinstance(t, dummy)}
+    for ident, frame in frames.items():
+        if ident not in started and _runs_program_code(frame, stop_at_backward=False):
+            return False
+    for f in flights:
+        top = frames.get(f.ident)
+        if top is not None and _runs_program_code(top, stop_at_backward=True):
+            return False
+    return True
+
+
+def _runs_program_code(frame: FrameType | None, stop_at_backward: bool) -> bool:
+    """Whether a frame from ``frame`` down is the program's (neither PyTorch's nor
+    versionwatch's): down to the watched backward's own frame, or to the bottom."""
+    while frame is not None:
+        code = frame.f_code
+        name = code.co_filename
+        if not name.startswith(_LIBRARY_DIRS):
+            return True
+        if stop_at_backward and code.co_name == _BACKWARD_ENTRY and name.startswith(_OWN_DIR):
+            return False
+        frame = frame.f_back
+    return False
 
 
 def _fingerprint(nodes: Sequence[Any]) -> frozenset[tuple[str, int]]:

@@ -13,12 +13,13 @@ test that is watched pays for the import.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Generator
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
-from versionwatch._config import POLICIES
+from versionwatch._config import POLICIES, env_problem
 
 _KEY = pytest.StashKey[Any]()
 
@@ -35,6 +36,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("versionwatch") or config.getoption("versionwatch_strict"):
+        problem = env_problem()
+        if problem is not None:  # as pytest says a bad --versionwatch-on-hazard
+            raise pytest.UsageError(problem)
     config.addinivalue_line(
         "markers",
         "versionwatch(on_hazard='raise', strict=False, stop_at_write=False): watch this test "
@@ -43,27 +48,66 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def _policy(item: pytest.Item) -> tuple[str, bool, bool] | None:
+_MARKER_KEYWORDS = ("on_hazard", "strict", "stop_at_write")
+
+
+def _usage_error(item: pytest.Item, problem: str) -> NoReturn:
+    # An error of this test at setup, in one line: not a traceback through the plugin.
+    pytest.fail(f"{item.nodeid}: {problem}", pytrace=False)
+
+
+def _marker_policy(item: pytest.Item, marker: pytest.Mark,
+                   strict: bool) -> tuple[Any, bool, bool]:
+    """``(on_hazard, strict, stop_at_write)`` from ``@pytest.mark.versionwatch(...)``."""
+    usage = "@pytest.mark.versionwatch(on_hazard='raise', strict=False, stop_at_write=False)"
+    if len(marker.args) > 1:
+        _usage_error(item, f"@pytest.mark.versionwatch takes at most one positional argument "
+                           f"(on_hazard), not {len(marker.args)}: {usage}")
+    unknown = [k for k in marker.kwargs if k not in _MARKER_KEYWORDS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], _MARKER_KEYWORDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        _usage_error(item, f"@pytest.mark.versionwatch got an unexpected keyword argument "
+                           f"{unknown[0]!r}{hint}; it takes: {usage}")
+    if marker.args and "on_hazard" in marker.kwargs:
+        _usage_error(item, "@pytest.mark.versionwatch got on_hazard twice, as its positional "
+                           "argument and as a keyword")
+    policy = marker.kwargs.get("on_hazard", *marker.args or ("raise",))
+    if not callable(policy) and policy not in POLICIES:
+        _usage_error(item, f"@pytest.mark.versionwatch: on_hazard={policy!r} is not a valid "
+                           f"policy; use one of: {', '.join(POLICIES)}, or a callable that "
+                           "takes a Report")
+    flags = []
+    for name, default in (("strict", strict), ("stop_at_write", False)):
+        value = marker.kwargs.get(name, default)
+        if not isinstance(value, bool):  # bool("no") would be True
+            _usage_error(item, f"@pytest.mark.versionwatch: {name}={value!r} is not True or "
+                               "False")
+        flags.append(value)
+    return policy, flags[0], flags[1]
+
+
+def _policy(item: pytest.Item) -> tuple[Any, bool, bool] | None:
     """``(on_hazard, strict, stop_at_write)`` for a watched test, else ``None``."""
     config = item.config
     strict = bool(config.getoption("versionwatch_strict"))
     marker = item.get_closest_marker("versionwatch")
     if marker is not None:
-        policy = marker.kwargs.get("on_hazard", *marker.args or ("raise",))
-        return (str(policy), bool(marker.kwargs.get("strict", strict)),
-                bool(marker.kwargs.get("stop_at_write", False)))
+        return _marker_policy(item, marker, strict)
     if config.getoption("versionwatch") or strict:
         return str(config.getoption("versionwatch_on_hazard")), strict, False
     return None
 
 
-def _open(item: pytest.Item, policy: tuple[str, bool, bool]) -> Any:
+def _open(item: pytest.Item, policy: tuple[Any, bool, bool]) -> Any:
     watcher = item.stash.get(_KEY, None)
     if watcher is None:
+        problem = env_problem()
+        if problem is not None:
+            _usage_error(item, problem)
         from versionwatch._auto import watch_all
 
-        watcher = watch_all(on_hazard=policy[0], strict=policy[1],  # type: ignore[arg-type]
-                            stop_at_write=policy[2])
+        watcher = watch_all(on_hazard=policy[0], strict=policy[1], stop_at_write=policy[2])
         item.stash[_KEY] = watcher
     return watcher
 

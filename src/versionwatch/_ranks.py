@@ -40,7 +40,66 @@ def _load(path: str) -> dict[str, Any]:
     if not isinstance(doc, dict) or not str(doc.get("schema", "")).startswith(
             "versionwatch.report/"):
         raise MergeError(f"{path} is not a versionwatch report (no versionwatch.report schema)")
+    _check(path, doc, _REPORT, "")
     return doc
+
+
+# The fields that merge reads, and the JSON types each may hold (None: null).
+# A field may be absent; present, it must have one of its types.
+_Spec = Any
+_SITE: _Spec = {"file": (str, None), "line": (int, None)}
+_HAZARD: _Spec = {"kind": (str, None), "tensor": (str, None), "saved_by": (str, None),
+                  "slot": (str, None), "backward_site": (_SITE, None),
+                  "modified_by": ([{"description": (str, None)}], None)}
+_EVENT: _Spec = {"versions": ({"*": (int, None)}, None)}
+_REPORT: _Spec = {"ok": (bool,), "hazards": ([_HAZARD], None), "rank": (int, None),
+                  "world_size": (int, None), "exit_status": (int, None),
+                  "exception": (str, None), "timeline": ({"events": ([_EVENT], None)}, None)}
+_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+          list: "a list", dict: "an object", type(None): "null"}
+
+
+def _kind(spec: _Spec) -> str:
+    return ("null" if spec is None else _NAMES[spec] if isinstance(spec, type)
+            else "a list" if isinstance(spec, list) else "an object")
+
+
+def _fits(value: Any, spec: _Spec) -> bool:
+    if spec is None:
+        return value is None
+    if isinstance(spec, list):
+        return isinstance(value, list)
+    if isinstance(spec, dict):
+        return isinstance(value, dict)
+    # JSON's true and false are not numbers here, though Python's bool is an int.
+    return isinstance(value, spec) and (spec is bool or not isinstance(value, bool))
+
+
+def _check(path: str, value: Any, spec: _Spec, where: str) -> None:
+    """Raise MergeError naming ``path`` and the field if ``value`` does not fit ``spec``."""
+    if isinstance(spec, list):
+        for i, item in enumerate(value):
+            _check_field(path, item, spec[0], f"{where}[{i}]")
+    elif isinstance(spec, dict):
+        for key, item in value.items():
+            sub = spec.get(key, spec.get("*"))
+            if sub is not None:
+                _check_field(path, item, sub, f"{where}.{key}" if where else key)
+
+
+def _check_field(path: str, value: Any, specs: _Spec, where: str) -> None:
+    specs = specs if isinstance(specs, tuple) else (specs,)
+    spec = next((s for s in specs if _fits(value, s)), _MISSING)
+    if spec is _MISSING:
+        found = _NAMES.get(type(value), type(value).__name__)
+        expected = " or ".join(_kind(s) for s in specs)
+        raise MergeError(f"{path}: field {where} is {found}, not {expected}: the file is not "
+                         "a report that versionwatch run wrote")
+    if spec is not None:
+        _check(path, value, spec, where)
+
+
+_MISSING = object()
 
 
 def _key(h: dict[str, Any]) -> tuple[str, str, str, str]:

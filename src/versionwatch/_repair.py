@@ -328,10 +328,15 @@ class Repairer:
         """A copy of ``data`` and the bytes newly copied for it, or None over budget.
 
         Views of one contiguous base (``weight.t()`` saved by every time step
-        of an unrolled RNN) share one copy of the base.
+        of an unrolled RNN) share one copy of the base. A view that reads its
+        base as another dtype (``view_as_real(p)``, ``p.real`` of a complex
+        ``p``) or through a conjugate or negative bit (``p.conj()``) is copied
+        on its own: the base's copy, cut with the view's sizes and strides,
+        would read other elements, or other values.
         """
         ckey = (id(base), base._version)
-        shared = base.is_contiguous() and not base.is_sparse
+        shared = (base.is_contiguous() and not base.is_sparse and data.dtype == base.dtype
+                  and data.is_conj() == base.is_conj() and data.is_neg() == base.is_neg())
         whole = copies.get(ckey) if shared else None
         nbytes = 0
         if whole is None:
