@@ -562,3 +562,54 @@ def test_a_thread_python_did_not_start_running_program_code_is_not_waited_on(
         leave.set()
         libc.pthread_join(tid, None)
     assert _inflight._may_wait_for([])
+
+
+# The engine's entry as PyTorch's own file names it: a stand-in compiled under that
+# file name, so a thread can be held inside "the engine" and its stack classified.
+_ENGINE_STANDIN = """
+def _engine_run_backward(inside, *args):
+    return inside(*args)
+"""
+
+
+@pytest.mark.parametrize("where", ["wrapper below the engine", "hook above the engine"])
+def test_a_flight_is_waited_for_unless_the_engine_called_program_code(where: str):
+    """A program's wrapper around the engine (a profiler, the peer harness) waits for
+    the engine, which lands on its own: a prediction waits for that flight. A hook the
+    engine called may wait for anything: a prediction does not wait for that one."""
+    import os
+
+    from versionwatch import _inflight
+
+    engine_file = os.path.join(os.path.dirname(torch.autograd.__file__), "graph.py")
+    space: dict[str, object] = {}
+    exec(compile(_ENGINE_STANDIN, engine_file, "exec"), space)
+    engine = space["_engine_run_backward"]
+    entered, held = threading.Event(), threading.Lock()
+    held.acquire()
+
+    def hook() -> None:  # the program's code, called by the engine
+        held.acquire(True, JOIN_S)
+
+    def wrapper() -> None:  # the program's code, on the way into the engine
+        entered.set()
+        if where.startswith("wrapper"):
+            engine(held.acquire, True, JOIN_S)  # type: ignore[operator]  # C++ work: no frame
+        else:
+            engine(hook)  # type: ignore[operator]
+
+    t = threading.Thread(target=wrapper)
+    t.start()
+    try:
+        assert entered.wait(JOIN_S)
+        frame = None
+        for _ in range(1000):  # until the thread is inside the engine
+            frame = sys._current_frames()[t.ident]  # type: ignore[index]
+            if frame.f_code.co_name in ("_engine_run_backward", "hook"):
+                break
+            threading.Event().wait(0.001)
+        runs_program = _inflight._runs_program_code(frame, stop_at_backward=True)
+        assert runs_program == where.startswith("hook")
+    finally:
+        held.release()
+        t.join(JOIN_S)

@@ -15,12 +15,13 @@ thread), whose outer backward may be the very flight it would wait for.
 Flights over disjoint graphs run concurrently.
 
 Nor does a prediction wait for a flight that may be waiting for it: one whose
-backward is running the program's own Python code (a hook, a custom
-Function's backward) rather than PyTorch's engine. That code can wait for
-anything, such as a thread it started to run this very backward and then
-joined; the flight could then never land before the waiter does. While its
-thread runs only PyTorch's and versionwatch's code above its backward call,
-a flight lands on its own, and waiting for it is safe. A waiter re-checks
+backward's engine has called into the program's own Python code (a hook, a
+custom Function's backward). That code can wait for anything, such as a thread
+it started to run this very backward and then joined; the flight could then
+never land before the waiter does. While the engine runs only PyTorch's code
+(wrappers of the program's around ``backward`` or the engine wait for the
+engine, below it on the stack), a flight lands on its own, and waiting for it
+is safe. A waiter re-checks
 this every ``RECHECK_S`` (a flight cannot say when its engine calls into a
 hook), so it stops waiting as soon as the flight's backward enters the
 program's code; it waits for nothing else, and for no fixed time. A prediction
@@ -62,11 +63,11 @@ from versionwatch._report import Report, Site
 RECHECK_S = 0.01
 # Frames of these folders are not the program's: PyTorch's and versionwatch's.
 _OWN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
-_LIBRARY_DIRS = (os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), ""), _OWN_DIR)
-# The watcher's method that every watched backward runs in, from its prediction
-# to its end (a flight's whole life): above its frame, the prediction, PyTorch's
-# backward and its engine, and whatever the engine calls back.
-_BACKWARD_ENTRY = "_run_backward"
+_TORCH_DIR = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "")
+_LIBRARY_DIRS = (_TORCH_DIR, _OWN_DIR)
+# PyTorch's Python frame that calls into the C++ engine (torch/autograd/graph.py,
+# every supported release): what runs above it on that thread, the engine called.
+_ENGINE_ENTRY = "_engine_run_backward"
 
 # _MUTEX is _COND's lock: taken directly on the hot paths (Condition's own
 # __enter__ is a Python call), with the same effect.
@@ -226,15 +227,27 @@ def _may_wait_for(flights: list[Flight]) -> bool:
 
 
 def _runs_program_code(frame: FrameType | None, stop_at_backward: bool) -> bool:
-    """Whether a frame from ``frame`` down is the program's (neither PyTorch's nor
-    versionwatch's): down to the watched backward's own frame, or to the bottom."""
+    """Whether the thread at ``frame`` runs the program's own code (neither PyTorch's
+    nor versionwatch's) that may wait for anything.
+
+    For a flight's thread (``stop_at_backward``), only code that the engine
+    called counts (a hook, a custom Function's backward): a frame of the
+    program above PyTorch's entry into the engine. Code below that entry, on
+    the way in (a profiler's or a test harness's wrapper of ``backward`` or of
+    the engine itself), waits for the engine, which lands on its own; so does
+    the program below its backward call.
+    """
+    program = False  # a frame of the program seen above the frames walked so far
     while frame is not None:
         code = frame.f_code
         name = code.co_filename
-        if not name.startswith(_LIBRARY_DIRS):
-            return True
-        if stop_at_backward and code.co_name == _BACKWARD_ENTRY and name.startswith(_OWN_DIR):
-            return False
+        if stop_at_backward and code.co_name == _ENGINE_ENTRY and name.startswith(_TORCH_DIR):
+            if program:
+                return True  # the engine called it
+        elif not name.startswith(_LIBRARY_DIRS):
+            if not stop_at_backward:
+                return True
+            program = True
         frame = frame.f_back
     return False
 
