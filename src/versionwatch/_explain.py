@@ -284,7 +284,10 @@ def fix_for(h: Hazard) -> str:
             "losses and call backward once), or re-run the forward after step(); any "
             "in-place update under torch.no_grad() counts as well"
         )
-    writer = next((m.writer for m in h.modified_by if m.writer is not None), None)
+    # A library module built with inplace=True: the fix is its own argument. Any
+    # other module's write (a library's own in-place op) gets the words below.
+    writer = next((m.writer for m in h.modified_by
+                   if m.writer is not None and "inplace=True" in m.writer.text), None)
     if writer is not None:
         return _module_fix(h, writer)
     rewrite = _rewrite(h)
