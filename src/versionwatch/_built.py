@@ -14,8 +14,8 @@ that built each level, with :mod:`ast`:
   comprehension's element counts for every index) or ``nn.ModuleDict({...})``:
   that argument of the parent's constructor call;
 - a child of a user's class (``head.act``): ``self.act = ...`` in the class's
-  own methods (its ``__init__``, or a helper it calls), read with
-  :func:`inspect.getsource`;
+  own methods (its ``__init__``, or a helper it calls), in the file its
+  methods' code comes from;
 - a variable in any of these places (``act = nn.ReLU(inplace=True)`` then
   ``nn.Sequential(lin, act)``): its last assignment above the use, in the same file.
 
@@ -28,7 +28,6 @@ to follow: its site is ``None`` and the report says only which module it is.
 from __future__ import annotations
 
 import ast
-import inspect
 import linecache
 from collections.abc import Callable, Sequence
 
@@ -37,21 +36,23 @@ from torch import nn
 from versionwatch._report import Site
 from versionwatch._sites import is_library, site_at
 
-# filename -> its parsed source (None if it does not parse); a few files a run.
-_TREES: dict[str, ast.Module | None] = {}
+# (filename, its source) -> the parsed source (None if it does not parse): by the
+# text too, since a name (a notebook cell's, ``<string>``) may hold another source later.
+_TREES: dict[tuple[str, str], ast.Module | None] = {}
 _CONTAINERS = {"Sequential": nn.Sequential, "ModuleList": nn.ModuleList,
                "ModuleDict": nn.ModuleDict}
 
 
 def _tree(filename: str) -> ast.Module | None:
-    if filename not in _TREES:
+    key = (filename, "".join(linecache.getlines(filename)))
+    if key not in _TREES:
         if len(_TREES) > 64:
             _TREES.clear()
         try:
-            _TREES[filename] = ast.parse("".join(linecache.getlines(filename)))
+            _TREES[key] = ast.parse(key[1]) if key[1] else None
         except (SyntaxError, ValueError):
-            _TREES[filename] = None
-    return _TREES[filename]
+            _TREES[key] = None
+    return _TREES[key]
 
 
 def _called(node: ast.expr) -> str:
@@ -148,24 +149,38 @@ def _child(parent: nn.Module, call: ast.expr, attr: str, tree: ast.AST) -> ast.e
     return None
 
 
+def _class_node(klass: type) -> tuple[str, ast.ClassDef] | None:
+    """The ``class`` statement of a user's class, found through its methods' code.
+
+    The methods' code objects name the file and lines for sure, where
+    :func:`inspect.getsource` needs the class's module to have a file (not so
+    for a class of ``__main__`` under ``runpy`` on older Pythons, or of a notebook).
+    """
+    codes = [c for v in vars(klass).values()
+             if (c := getattr(getattr(v, "__func__", v), "__code__", None)) is not None]
+    if not codes:
+        return None
+    filename = codes[0].co_filename
+    if is_library(filename):
+        return None
+    tree = _tree(filename)
+    first = min(c.co_firstlineno for c in codes if c.co_filename == filename)
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.ClassDef) and node.name == klass.__name__ \
+                and node.lineno <= first <= (node.end_lineno or first):
+            return filename, node
+    return None
+
+
 def _in_class(cls: type, attr: str) -> tuple[str, ast.expr] | None:
     """``self.attr = ...`` in the methods of a user's class (or a user's base of it)."""
     for klass in cls.__mro__:
         if klass is nn.Module or klass is object:
             break
-        try:
-            filename = inspect.getsourcefile(klass)
-            _, first = inspect.getsourcelines(klass)
-        except (OSError, TypeError):
+        found = _class_node(klass)
+        if found is None:
             continue
-        if filename is None or is_library(filename):
-            continue
-        tree = _tree(filename)
-        node = next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
-                     and n.name == klass.__name__ and n.lineno >= first), None) \
-            if tree is not None else None
-        if node is None:
-            continue
+        filename, node = found
         value = _follow(_assigned(node, f"self.{attr}"), node)
         if value is not None:
             return filename, value
