@@ -5,7 +5,8 @@ The Python entry points of every in-place op (the ``Tensor`` methods ending in
 functions, ``_foreach_*_``, ``_fused_*_``, ``set_``, ``resize_``, ``out=`` on
 the functions of ``torch``, ``torch.linalg``, ``torch.special`` and
 ``torch.fft``, and the in-place functions ``torch.nn.functional`` calls through
-``torch._VF``: ``dropout_``, ``threshold_``, ...) are wrapped (:func:`changes`).
+``torch._VF`` (``dropout_``, ``threshold_``, ...) or holds itself (``F.elu_``))
+are wrapped (:func:`changes`).
 A write whose target shares storage with a live record is recorded with the
 op, the user's ``file:line`` and source line, and, for a write inside a library
 module's ``forward`` (``nn.Dropout(inplace=True)``), that module and where it
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -399,17 +401,21 @@ def changes() -> list[Change]:
     # calls _VF.dropout_, F.threshold _VF.threshold_): a module whose __getattr__
     # reads the read-only torch._C._VariableFunctions, not torch, so the wrappers
     # above miss those calls. An attribute set on the module itself wins over its
-    # __getattr__ (and is deleted again on restore).
+    # __getattr__ (and is deleted again on restore). And F's own in-place names
+    # (F.leaky_relu_, F.elu_, F.threshold_, ...) hold the builtins they were
+    # bound to at import, not torch's attributes.
     vf: Any = torch._VF
-    for attr in dir(torch._C._VariableFunctions):
-        if not attr.endswith("_") or attr.startswith("__") or attr in _METADATA_ONLY:
-            continue
-        fn = getattr(vf, attr, None)
-        if not callable(fn):
-            continue
-        new = _wrap(attr, fn)
-        changes.append(Patch(vf, attr, new))
-        op = builtins.get(id(fn))
-        if op is not None:
-            changes.append(Entry(builtins, id(new), op))
+    functional: Any = torch.nn.functional
+    for mod, names in ((vf, dir(torch._C._VariableFunctions)), (functional, dir(functional))):
+        for attr in names:
+            if not attr.endswith("_") or attr.startswith("__") or attr in _METADATA_ONLY:
+                continue
+            fn = getattr(mod, attr, None)
+            if not isinstance(fn, types.BuiltinFunctionType):
+                continue
+            new = _wrap(attr, fn)
+            changes.append(Patch(mod, attr, new))
+            op = builtins.get(id(fn))
+            if op is not None:
+                changes.append(Entry(builtins, id(new), op))
     return changes
