@@ -14,13 +14,13 @@ facts, found once a report is being built (never on the training path):
   code), the watched forward that made it, and its role: ``state`` (rebound, or
   fed back into the module that made it), ``input`` (fed to another watched
   forward that began after the freeing backward: a GAN's ``D(fake)``) or
-  ``data`` (neither: advantages, targets); whether an optimizer trains the
-  module that made it;
+  ``data`` (neither: advantages, targets); whether an optimizer trains a
+  parameter of the graph behind it;
 - **between** (:class:`~versionwatch.Between`): the steps, ``zero_grad`` calls
   and unattributed writes between the two backwards, whether one of them
-  changed what the freed graph saved (a step of an optimizer of its module),
-  and whether a ``zero_grad`` threw away the gradient the freeing backward
-  sent into that module.
+  changed what the freed graph saved (a step of an optimizer that holds one of
+  the parameters that graph reaches), and whether a ``zero_grad`` threw away
+  the gradient the freeing backward sent into them.
 
 Unknown stays ``None``: the fix is then worded as a choice.
 """
@@ -71,12 +71,43 @@ def freed_facts(h: Hazard, ledger: Ledger, freer: Event, outputs: Any,
     forwards = _forward_ranges(events)
     opts = _optimizers(optimizers, frame)
     carrier = None
-    module = _root(h.module, roots)
+    params: set[int] | None = None
     if not same_graph and not ledger.threaded and freer.seq is not None:
-        carrier = _carrier(h, freer, outputs, roots, opts, frame, forwards)
-        if carrier is not None and carrier.module:
-            module = carrier.module
-    return carrier, _between(after, module, roots, opts)
+        carrier, params = _carrier(h, freer, outputs, roots, opts, frame, forwards)
+    elif same_graph:
+        params = _leaves(_grad_fns(outputs))
+    if params is None:
+        params = _params(carrier.module if carrier is not None and carrier.module
+                         else _root(h.module, roots), roots)
+    return carrier, _between(after, params, opts)
+
+
+def _grad_fns(outputs: Any) -> list[Any]:
+    tensors = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    return [fn for t in tensors if isinstance(t, torch.Tensor) and (fn := t.grad_fn) is not None]
+
+
+def _leaves(start: list[Any]) -> set[int] | None:
+    """The ids of the leaves (parameters) a graph reaches from ``start``: what its
+    backward would send gradients into, and the tensors of it an optimizer steps.
+
+    The graph's nodes outlive the saved tensors a backward freed, so an old
+    graph is walked as well as a live one. ``None`` past ``_MAX_NODES``.
+    """
+    seen = {id(fn): fn for fn in start}
+    queue = list(start)
+    found: set[int] = set()
+    for fn in queue:
+        if len(seen) > _MAX_NODES:
+            return None
+        leaf = getattr(fn, "variable", None)  # an AccumulateGrad node
+        if isinstance(leaf, torch.Tensor):
+            found.add(id(leaf))
+        for nxt, _ in fn.next_functions:
+            if nxt is not None and id(nxt) not in seen:
+                seen[id(nxt)] = nxt
+                queue.append(nxt)
+    return found
 
 
 def _forward_ranges(events: Iterable[Event]) -> list[tuple[Event, int]]:
@@ -134,8 +165,7 @@ def _root(module: str | None, roots: dict[str, weakref.ref[nn.Module]]) -> str |
 
 def _boundary(outputs: Any, clock: int) -> list[Any] | None:
     """The nodes from this backward's root to the first one made by ``clock``, that one last."""
-    tensors = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-    start = [fn for t in tensors if isinstance(t, torch.Tensor) and (fn := t.grad_fn) is not None]
+    start = _grad_fns(outputs)
     # Breadth first: the boundary nearest the root. The wrappers are kept in
     # ``seen`` while the walk runs, so their ids name them.
     seen: dict[int, tuple[Any, int | None]] = {id(fn): (fn, None) for fn in start}
@@ -263,14 +293,15 @@ def _steps(opt: Optimizer, params: set[int]) -> bool:
 
 def _carrier(h: Hazard, freer: Event, outputs: Any, roots: dict[str, weakref.ref[nn.Module]],
              opts: list[tuple[str, Optimizer]], frame: FrameType | None,
-             forwards: list[tuple[Event, int]]) -> Carrier | None:
+             forwards: list[tuple[Event, int]]) -> tuple[Carrier, set[int] | None]:
+    """The carrier, and the parameters of the graph behind it (``None``: unknown)."""
     assert freer.seq is not None
     path = _boundary(outputs, freer.seq)
     if path is None:
         # No node older than the freer on the way: name what holds the freed node.
         found = _variable(frame, h.node, h.seq) if h.seq is not None else None
         return Carrier(found[0] if found else "", made_at(frame, found[0]) if found else None,
-                       _root(h.module, roots))
+                       _root(h.module, roots)), None
     boundary = path[-1]
     seq, node = int(boundary._sequence_nr()), boundary.name()
     found = _variable(frame, node, seq)
@@ -292,18 +323,22 @@ def _carrier(h: Hazard, freer: Event, outputs: Any, roots: dict[str, weakref.ref
         entered = _entered(last, name, seq, freer, forwards)
     else:
         role = "data"
-    params = _params(module, roots)
+    # What the graph behind the carrier sends gradients into: its leaves (the
+    # module's parameters, and those of whatever fed that module).
+    params = _leaves([boundary])
+    if params is None:
+        params = _params(module, roots)
     trained = None
     if params is not None and opts:
         trained = any(_steps(o, params) for _, o in opts)
-    return Carrier(name, made_at(frame, name), module, role, fed_to, entered, trained)
+    return Carrier(name, made_at(frame, name), module, role, fed_to, entered, trained), params
 
 
-def _between(after: list[Event], module: str | None, roots: dict[str, weakref.ref[nn.Module]],
+def _between(after: list[Event], params: set[int] | None,
              opts: list[tuple[str, Optimizer]]) -> Between:
-    """What ran between the freeing backward and this one, and what it did to the graph."""
+    """What ran between the freeing backward and this one, and what it did to the graph
+    whose parameters are ``params`` (``None``: unknown)."""
     events = []
-    params = _params(module, roots)
     by_label = {label: o for label, o in opts if label}
     changes: bool | None = False
     discards = False
