@@ -349,6 +349,7 @@ STATUS: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {
     ("cli.md", "versionwatch run --stop-at-write train_two_losses.py"): (1, ()),
     ("cli.md", "versionwatch run act_inplace.py"): (1, ()),
     ("cli.md", "versionwatch run --replay act_inplace.py"): (1, ()),
+    ("cli.md", "versionwatch run --strict clf.py"): (1, ()),
     # fix.md: the program has a hazard and nothing was applied.
     ("fix.md", "versionwatch fix train.py"): (1, ()),
     ("fix.md", "versionwatch fix gan.py"): (1, ()),

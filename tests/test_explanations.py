@@ -9,10 +9,8 @@ the user wrote them. Each fix a report offers is applied to a copy of the
 program, which then runs plainly: the failure is gone, and the gradients the
 program means to compute are those of a reference written another way.
 
-The tests that describe what versionwatch does not do yet are marked
-``xfail(strict=True)`` with the issue's item: each one flips when it is fixed.
-``docs/dev/explanations-analysis.md`` says which fact each one needs, and where
-it can be found.
+``docs/dev/explanations-analysis.md`` says which fact each test needs, and
+where the watcher finds it.
 
 The programs run through the CLI's ``main`` in this process, once per mode
 (cached for the module); ``--replay``'s strict re-run is a child process, as it
@@ -147,10 +145,6 @@ def same(a: dict[str, Any], b: dict[str, Any], exact: bool = True) -> bool:
                for x, y in ((a[k], b[k]) for k in a))
 
 
-def xfail(item: int, why: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"#24 item {item}: {why}")
-
-
 # Lowercased node names, which no user writes.
 NODE_WORDS = re.compile(r"`(nativelayernorm|nativebatchnorm|add|mul|addmm|compiledfunction|"
                         r"checkpointfunction)`")
@@ -173,7 +167,7 @@ def test_freed_graph_is_predicted_and_names_the_freeing_backward(name, tmp_path_
 @pytest.mark.parametrize("name", FREED)
 @pytest.mark.parametrize("mode", ["default", "strict"])
 def test_freed_graph_fix_is_never_a_wrong_sure_fix(name, mode, tmp_path_factory):
-    """Until the facts are known, no fix that could stop a needed gradient is offered as sure.
+    """No fix that could stop a needed gradient is offered as sure.
 
     The truncated-BPTT fix, alone, would stop the generator's gradient in a GAN and is
     wrong for advantages; "a tensor from an earlier iteration" is wrong for advantages.
@@ -182,7 +176,8 @@ def test_freed_graph_fix_is_never_a_wrong_sure_fix(name, mode, tmp_path_factory)
     fix = r.h["fix"]
     assert "a tensor from an earlier iteration" not in r.text
     if name != "rnn_state":
-        assert not fix.startswith("detach `"), fix  # the old sure truncated-BPTT fix
+        # The sure truncated-BPTT fix, which the old report gave every carrier.
+        assert "carried from one iteration to the next" not in fix, fix
         assert "would make every backward run through all earlier iterations" not in fix
 
 
@@ -196,8 +191,6 @@ def test_gan_without_detach_names_fake_and_where_it_was_made(mode, tmp_path_fact
         f"backward #1 at prog.py:{line('gan_no_detach', 'd_loss.backward()')}, which ran")
 
 
-@xfail(1, "needs Carrier(role='input', fed_to=D.forward, entered=prog.py:15) and "
-          "Between(discards_grad=True, changes_saved=False) from _watch._explain_freed")
 @pytest.mark.parametrize("mode", ["default", "strict"])
 def test_gan_without_detach_fix_detaches_in_the_discriminator_loss(mode, tmp_path_factory):
     r = run("gan_no_detach", mode, tmp_path_factory)
@@ -214,7 +207,6 @@ def test_gan_without_detach_fix_detaches_in_the_discriminator_loss(mode, tmp_pat
     assert r.h["between"]["changes_saved"] is False
 
 
-@xfail(1, "needs Carrier(role='input') and Between(discards_grad=True) from _watch")
 def test_gan_loop_fix_detaches_samples_in_loss_d(tmp_path_factory):
     r = run("gan_loop", "default", tmp_path_factory)
     assert f"`disc(samples.detach())` at prog.py:{line('gan_loop', 'loss_d = ')}" \
@@ -253,7 +245,6 @@ def test_gan_loop_fixes_applied_agree(tmp_path):
         assert same(detach[key], retain[key]), key
 
 
-@xfail(1, "needs Carrier(trained=True) and Between(changes_saved=False, discards_grad=False)")
 @pytest.mark.parametrize("mode", ["default", "strict"])
 def test_two_losses_without_a_step_keep_retain_graph(mode, tmp_path_factory):
     r = run("two_losses", mode, tmp_path_factory)
@@ -266,8 +257,12 @@ def test_two_losses_without_a_step_keep_retain_graph(mode, tmp_path_factory):
 
 def test_two_losses_same_graph_keeps_retain_graph(tmp_path_factory):
     r = run("two_losses_prebuilt", "default", tmp_path_factory)
-    assert r.h["carried_by"] is None
-    assert "pass retain_graph=True to that earlier backward" in r.h["fix"]
+    assert r.h["carried_by"] is None and r.h["carrier"] is None
+    assert r.h["fix"].startswith(
+        "pass retain_graph=True to backward #1 (at prog.py:"
+        f"{line('two_losses_prebuilt', 'mse.backward()')}): nothing between the two backwards "
+        "changes what the graph saved")
+    assert r.h["between"] == {"events": [], "changes_saved": False, "discards_grad": False}
 
 
 def test_two_losses_fix_applied_equals_one_backward_of_the_sum(tmp_path):
@@ -279,7 +274,6 @@ def test_two_losses_fix_applied_equals_one_backward_of_the_sum(tmp_path):
     assert same(params(retain["net"]), params(summed["net"]), exact=False)
 
 
-@xfail(1, "needs Between(events=(SGD.step() #1,), changes_saved=True) from the ledger")
 def test_two_losses_with_a_step_between_do_not_offer_retain_graph(tmp_path_factory):
     r = run("two_losses_step", "default", tmp_path_factory)
     fix = r.h["fix"]
@@ -306,8 +300,6 @@ def test_ppo_advantages_are_not_called_state_from_an_earlier_iteration(mode, tmp
     assert "earlier iteration" not in r.fact("carried by")
 
 
-@xfail(1, "needs Carrier(name='advantages', site=prog.py:11, module='critic', trained=False) "
-          "from _watch._carrier and the watched optimizers")
 @pytest.mark.parametrize("mode", ["default", "strict"])
 def test_ppo_advantages_fix_detaches_where_they_are_made(mode, tmp_path_factory):
     r = run("ppo_advantages", mode, tmp_path_factory)
@@ -315,7 +307,8 @@ def test_ppo_advantages_fix_detaches_where_they_are_made(mode, tmp_path_factory)
     fix = r.h["fix"]
     assert fix.startswith("`advantages` is computed once at prog.py:"), fix
     assert f"`advantages = (returns - critic(obs).squeeze(-1)).detach()` at prog.py:{made}" in fix
-    assert "truncated" not in fix and "earlier iteration" not in r.text
+    # (The freeing backward is "this same line, in an earlier iteration": it is.)
+    assert "truncated" not in fix and "earlier iteration" not in r.fact("carried by")
     c = r.h["carrier"]
     assert (c["name"], c["line"], c["module"], c["trained"]) == \
         ("advantages", made, "critic", False)
@@ -332,7 +325,6 @@ def test_ppo_advantages_fix_applied_trains_the_actor_as_meant(tmp_path):
     assert all(p.grad is None for p in fixed["critic"].parameters())
 
 
-@xfail(1, "needs Carrier(name='soft_targets', site=prog.py:10, module='teacher', trained=False)")
 def test_reused_targets_fix_detaches_where_they_are_made(tmp_path_factory):
     r = run("targets_reused", "default", tmp_path_factory)
     made = line("targets_reused", "soft_targets = ")
@@ -347,8 +339,6 @@ def test_reused_targets_fix_applied_trains_the_student_as_meant(tmp_path):
     assert same(params(fixed["student"]), params(retain["student"]))
 
 
-@xfail(1, "needs Carrier(name='hidden', role='state'): _watch._carrier misses a GRUCell's "
-          "state (its first freed node is not the output's) and never says 'rebound'")
 def test_recurrent_state_fix_is_truncated_bptt_on_hidden(tmp_path_factory):
     r = run("rnn_state", "default", tmp_path_factory)
     assert r.h["carried_by"] == "hidden"
@@ -427,16 +417,12 @@ def test_strict_sees_the_write_inside_a_library_module(name, mode, tmp_path_fact
     assert [m["kind"] for m in r.h["modified_by"]] == ["inplace_op"]
 
 
-@xfail(3, "F.dropout writes through torch._VF.dropout_ (torch._C._VariableFunctions), "
-          "which _strict.install does not wrap")
 @pytest.mark.parametrize("mode", ["strict", "replay"])
 def test_strict_sees_dropouts_inplace_write(mode, tmp_path_factory):
     r = run("dropout_inplace", mode, tmp_path_factory)
     assert [m["description"] for m in r.h["modified_by"]] == ["dropout_()"]
 
 
-@xfail(3, "needs Modification.writer (module, repr, construction line) from _strict's "
-          "module stack at the write")
 @pytest.mark.parametrize("case", LIBRARY_WRITES, ids=[c[0] for c in LIBRARY_WRITES])
 @pytest.mark.parametrize("mode", ["strict", "replay"])
 def test_write_in_a_library_module_names_the_module_and_how_it_was_built(
@@ -446,7 +432,8 @@ def test_write_in_a_library_module_names_the_module_and_how_it_was_built(
     b, c = line(name, built), line(name, call)
     assert r.fact("modified by") == f"{op} in {module} ({text}), called at prog.py:{c}"
     writer = r.h["modified_by"][0]["writer"]
-    assert writer == {"module": module, "repr": text, "file": "prog.py", "line": b}
+    assert writer == {"module": module, "class": text.split("(")[0], "repr": text,
+                      "file": "prog.py", "line": b}
     assert r.h["fix"].startswith(f"`inplace=False` on {module} ({text}), built at prog.py:{b}")
     assert "activations such as nn.ReLU" not in r.h["fix"]
 
@@ -528,13 +515,7 @@ def test_index_assignment_fix_applied(tmp_path):
 VERBATIM = [(name, mode) for name in INPLACE for mode in MODES]
 
 
-@pytest.mark.parametrize("name, mode", [
-    pytest.param(n, m, marks=xfail(4, "strict holds a saved non-leaf input weakly: once the "
-                                      "helper returns, its grad_fn (Add) is gone from the "
-                                      "sentence; _strict must keep the producer it has after "
-                                      "the write"))
-    if (n, m) == ("saved_nonleaf", "strict") else (n, m)
-    for n, m in VERBATIM])
+@pytest.mark.parametrize("name, mode", VERBATIM)
 def test_pytorch_sentence_is_verbatim(name, mode, tmp_path_factory, tmp_path):
     r = run(name, mode, tmp_path_factory)
     said = plain_error(source(name), tmp_path)
@@ -631,8 +612,6 @@ def test_compiled_actor_critic_says_a_compiled_region_saved_it(mode, tmp_path_fa
         assert "which met the same hazard at backward" in r.h["replay"]
 
 
-@xfail(7, "needs Hazard.compiled_forward: the def line of the compiled module's forward "
-          "(inspect on the OptimizedModule's _orig_mod), from _watch._explain")
 @pytest.mark.usefixtures("compiles")
 @pytest.mark.parametrize("mode", ["default", "strict"])
 def test_compiled_region_names_the_forward_it_compiled(mode, tmp_path_factory):
@@ -773,8 +752,8 @@ def test_fix_from_facts_module_write_sets_inplace_false_where_it_was_built():
     assert "  modified by  dropout_() in clf.2 (Dropout(p=0.5, inplace=True)), called at " \
            "prog.py:9\n" in text
     d = h.to_dict()["modified_by"][0]
-    assert d["writer"] == {"module": "clf.2", "repr": "Dropout(p=0.5, inplace=True)",
-                           "file": "prog.py", "line": 6}
+    assert d["writer"] == {"module": "clf.2", "class": None,
+                           "repr": "Dropout(p=0.5, inplace=True)", "file": "prog.py", "line": 6}
     assert h.to_dict()["variable"] is None  # the call line names no variable
 
 

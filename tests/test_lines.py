@@ -214,8 +214,12 @@ def test_no_grad_write_in_an_optimizer_is_bounded_then_replayed(tmp_path, monkey
     assert status == 1
     assert f"modified by  add_() at prog.py:{perturb} (version 1 -> 2): " \
            "p.add_(p.grad * 0.05)" in err
+    # The user's frames of the write, outermost first: what `versionwatch fix` moves.
+    call = line(SAM, "opt.first_step()")
     assert h["modified_by"] == [{"kind": "inplace_op", "description": "add_()", "file": "prog.py",
-                                 "line": perturb, "versions": [1, 2]}]
+                                 "line": perturb, "versions": [1, 2],
+                                 "stack": [at("prog.py", call, "opt.first_step()"),
+                                           at("prog.py", perturb, "p.add_(p.grad * 0.05)")]}]
     assert h["tensor"] == "model.2.weight" and h["module"] == "model.2"
 
 

@@ -10,20 +10,21 @@ from the ledger, as a note on the error.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Sequence
-from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from versionwatch import _distributed, _strict
+from versionwatch._carrier import freed_facts
 from versionwatch._compat import SAVED_INTROSPECTION
 from versionwatch._errors import add_note
 from versionwatch._explain import fix_for, render_report
 from versionwatch._ledger import Tracked
-from versionwatch._report import Hazard, Modification, Report, Site
-from versionwatch._sites import user_frame
+from versionwatch._report import Between, Carrier, Hazard, Modification, Report, Site
+from versionwatch._sites import site_at, user_frame
 from versionwatch._torch_messages import VERSION_RE as _VERSION_RE
 
 if TYPE_CHECKING:
@@ -75,6 +76,8 @@ def explain(w: _W, report: Report, scope: Sequence[_W]) -> _W:
             for s in scope:
                 if s.ledger.place_forward(h):
                     break
+        if h.node == "CompiledFunctionBackward" and h.compiled_forward is None:
+            h.compiled_forward = compiled_forward(h, scope)
         if not w.strict and h.kind == "inplace":
             if all(m.kind == "between_events" for m in h.modified_by):
                 h.notes.append(_UNSEEN_WRITE)
@@ -88,23 +91,21 @@ def explain(w: _W, report: Report, scope: Sequence[_W]) -> _W:
 
 
 def explain_freed(report: Report, outputs: Any, scope: Sequence[Blamed]) -> None:
-    """Name the backward that freed each graph, and what carried it into this one.
+    """Name the backward that freed each graph, what carried it into this one, and
+    what ran between the two (:mod:`versionwatch._carrier`).
 
     The freer is the first freeing backward since the node was made. When
     this backward's own graph was built after that one (its root is newer),
-    it is a new graph that reaches into the freed one: a tensor from an
-    earlier iteration carried it in. The user's frame usually still holds
-    that tensor's variable: bound to it (its node is the freed one), or,
-    for state carried across iterations (``h = rnn(x, h)``), rebound to
-    this iteration's value, made by the same op. Called on the backward's
-    own stack: the user's frame is the first one up outside the libraries.
+    it is a new graph that reaches into the freed one: a tensor made before
+    the freer carried it in. Called on the backward's own stack: the user's
+    frame is the first one up outside the libraries.
     """
     roots = [t for t in (outputs if isinstance(outputs, (tuple, list)) else (outputs,))
              if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     root_seq = max((int(fn._sequence_nr()) for t in roots if (fn := t.grad_fn) is not None),
                    default=None)
     frame, _ = user_frame(1)
-    carrier: str | None = None  # found from the first freed node met: the boundary
+    facts: tuple[Carrier | None, Between] | None = None  # found once, for the first hazard
     for h in report.hazards:
         if h.kind != "freed" or h.seq is None:
             continue
@@ -115,40 +116,71 @@ def explain_freed(report: Report, outputs: Any, scope: Sequence[Blamed]) -> None
             if line is not None:
                 h.saved_at = line[0]
                 h.saved_during = h.saved_during or line[1]
-        freer = next((ev for s in scope if (ev := s.ledger.freer(h.seq)) is not None), None)
-        if freer is None:
+        found = next(((s, ev) for s in scope if (ev := s.ledger.freer(h.seq)) is not None),
+                     None)
+        if found is None:
             continue
-        h.freed_by = Modification(
-            "backward", freer.label, freer.site)
-        if root_seq is None or freer.seq is None or root_seq <= freer.seq:
-            continue  # the same graph, run a second time
-        if carrier is None:
-            carrier = _carrier(frame, h.node, h.seq) or ""
-        h.carried_by = carrier
+        owner, freer = found
+        h.freed_by = Modification("backward", freer.label, freer.site)
+        for s in scope:  # the forward that made the freed node: its module
+            if s.ledger.place_forward(h):
+                break
+        same = root_seq is None or freer.seq is None or root_seq <= freer.seq
+        if facts is None:
+            optimizers = [(st.label, o) for s in scope for st in list(s._optimizers.values())
+                          if (o := st.ref()) is not None]
+            roots_by_name = {k: v for s in reversed(scope) for k, v in s.roots.items()}
+            facts = freed_facts(h, owner.ledger, freer, outputs, roots_by_name, optimizers,
+                                frame, same)
+        carrier, h.between = facts
+        if not same:  # the same graph run twice has no carrier
+            h.carrier = carrier
+            h.carried_by = carrier.name if carrier is not None else ""
 
 
-def _carrier(frame: FrameType | None, node: str, seq: int) -> str | None:
-    """The user's variable that holds the output of node ``node`` #``seq``, or a newer one.
+def compiled_forward(h: Hazard, scope: Sequence[Blamed]) -> Site | None:
+    """The ``def forward`` line of the compiled module a compiled region ran, if known.
 
-    Exact first (the old tensor itself); else a variable rebound to a newer
-    output of the same op, as recurrent state is (``h = rnn(x, h)``).
+    ``h.module`` names a watched module (``cnet``) or one inside it; the
+    compiled one is an ``OptimizedModule`` (``torch.compile(net)``), which
+    keeps the module it compiled as ``_orig_mod``.
     """
-    if frame is None:
+    name = h.module
+    if not name:
         return None
-    newer = None
-    for scope in (frame.f_locals, frame.f_globals):
-        for name, value in list(scope.items()):
-            if name.startswith("_") or not isinstance(value, torch.Tensor):
+    for s in scope:
+        for root, ref in s.roots.items():
+            if name != root and not name.startswith(root + "."):
                 continue
-            fn = value.grad_fn
-            if fn is None or fn.name() != node:
-                continue
-            nr = int(fn._sequence_nr())
-            if nr == seq:
-                return str(name)
-            if nr > seq and newer is None:
-                newer = str(name)
-    return newer
+            module = ref()
+            path = name[len(root) + 1:].split(".") if name != root else []
+            # The named module, then each one above it: the nearest compiled one.
+            while module is not None:
+                try:
+                    here = module.get_submodule(".".join(path)) if path else module
+                except AttributeError:
+                    here = None
+                orig = getattr(here, "_orig_mod", None)
+                if isinstance(orig, torch.nn.Module):
+                    return _def_line(type(orig).forward)
+                if not path:
+                    break
+                path.pop()
+    return None
+
+
+def _def_line(fn: Any) -> Site | None:
+    try:
+        filename = inspect.getsourcefile(fn)
+        lines, first = inspect.getsourcelines(fn)
+    except (OSError, TypeError):
+        return None
+    if filename is None:
+        return None
+    for k, text in enumerate(lines):  # past any decorator
+        if text.lstrip().startswith(("def ", "async def ")):
+            return site_at(filename, first + k)
+    return site_at(filename, first)
 
 
 def _match_ledger(h: Hazard, scope: Sequence[Blamed]) -> None:

@@ -8,7 +8,9 @@ registers the text renderer (and, through ``_dot``, the Graphviz one) that
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 
 from versionwatch import _dot  # noqa: F401  (loads and registers the Graphviz renderer)
 from versionwatch._report import (
@@ -81,6 +83,24 @@ def _assigned(code: str, name: str) -> str | None:
             and _same_name(stmt.targets[0], name):
         return ast.get_source_segment(code.strip(), stmt.value)
     return None
+
+
+def _code(code: str) -> str:
+    """A source line without its comment: ``h = rnn(x, h)  # carries`` -> ``h = rnn(x, h)``.
+
+    >>> _code("s = '#'  # a hash")
+    "s = '#'"
+    """
+    text = code.strip()
+    if "#" not in text:
+        return text
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.COMMENT:
+                return text[:tok.start[1]].rstrip()
+    except (tokenize.TokenError, SyntaxError):  # an unfinished line: as it is
+        pass
+    return text
 
 
 def _same_name(node: ast.expr, name: str) -> bool:
@@ -198,10 +218,11 @@ def _freed_fix(h: Hazard) -> str:
 
 def _module_fix(h: Hazard, writer: Writer) -> str:
     victim = (f"the output of {_op(h.producer)}" if h.saved_output and h.producer
-              else f"a tensor that {_op(h.node)} saved")
+              else f"a tensor that {_op(h.node)} saved" if h.node
+              else "a tensor that a live graph saved")
     built = ""
     if writer.built_at is not None:
-        code = f" (`{writer.built_at.code}`)" if writer.built_at.code else ""
+        code = f" (`{_code(writer.built_at.code)}`)" if writer.built_at.code else ""
         built = f", built at {writer.built_at}{code}"
     return (
         f"`inplace=False` on {writer}{built}: its forward overwrites {victim} in place, "
@@ -219,7 +240,7 @@ def _rewrite(h: Hazard) -> str | None:
         stmt = statement(code)
         if not var or stmt is None:
             continue
-        text = code.split("#", 1)[0].strip() if "#" in code else code.strip()
+        text = _code(code)
         saver = (f"{_op(h.producer)} saved it as its output" if h.saved_output and h.producer
                  else f"{_op(h.node)} saved it")
         why = f"`{var}` is changed in place after {saver} for backward"
@@ -272,6 +293,12 @@ def fix_for(h: Hazard) -> str:
             "no_grad write through .data); run every backward that needs it before the "
             "change, or re-run the forward after it"
         )
+    # A library module built with inplace=True: the fix is its own argument. Any
+    # other module's write (a library's own in-place op) gets the words below.
+    writer = next((m.writer for m in h.modified_by
+                   if m.writer is not None and "inplace=True" in m.writer.text), None)
+    if writer is not None and not h.requires_grad:
+        return _module_fix(h, writer)
     if h.detected == "at_write" and not h.requires_grad:
         return (
             "don't modify a tensor that backward still needs: use the out-of-place form "
@@ -284,9 +311,6 @@ def fix_for(h: Hazard) -> str:
             "losses and call backward once), or re-run the forward after step(); any "
             "in-place update under torch.no_grad() counts as well"
         )
-    writer = next((m.writer for m in h.modified_by if m.writer is not None), None)
-    if writer is not None:
-        return _module_fix(h, writer)
     rewrite = _rewrite(h)
     if rewrite is not None:
         return rewrite
@@ -371,6 +395,9 @@ def _write_facts(h: Hazard) -> list[tuple[str, str]]:
         saved = _saved_at(h, by=False)
     facts = [("tensor", h.describe_tensor()), ("saved", saved)]
     for m in h.modified_by:
+        if m.writer is not None:  # inside a library module's forward: the module, its call
+            facts.append(("write", str(m)))
+            continue
         code = f": {m.site.code}" if m.site and m.site.code else ""
         facts.append(("write", f"{m.description} at {m.site}{code}" if m.site else m.description))
     facts += [("note", note) for note in h.notes]
@@ -412,7 +439,7 @@ def _freed_facts(h: Hazard, report: Report) -> list[tuple[str, str]]:
         what = f"`{name}`" if name else "a tensor made before that backward"
         if c is not None:
             if c.site is not None:
-                code = f" (`{c.site.code}`)" if c.site.code else ""
+                code = f" (`{_code(c.site.code)}`)" if c.site.code else ""
                 what += f", made at {c.site}{code}"
                 if c.module:
                     what += f" by {c.module}"

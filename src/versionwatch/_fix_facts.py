@@ -216,7 +216,7 @@ def from_report(report: Report, hazard: Hazard | None = None) -> FixFacts:
     """
     h = hazard if hazard is not None else report.hazards[0]
     named = bool(h.tensor)
-    write = op = step = None
+    write = op = step = built = cls = None
     update: list[Line] = []
     for m in h.modified_by:
         site = _line(m.site)
@@ -227,11 +227,21 @@ def from_report(report: Report, hazard: Hazard | None = None) -> FixFacts:
             if "step()" in m.description and step is None:
                 step = site  # strict mode records a step's writes as the step
             elif named:
-                update.append(site)
+                # The user's frames of the write, outermost first (strict mode's
+                # stack): the loop's call of a helper, then the write in it.
+                frames = [f for s in m.stack if (f := _line(s)) is not None] or [site]
+                update.extend(frames)
             elif write is None:
                 write = site
                 op = match.group(1) if match else None
+                if m.writer is not None:  # inside a library module's forward: that module
+                    built = _line(m.writer.built_at)
+                    cls = m.writer.class_name or None
     freed_by = h.freed_by.site if h.freed_by is not None else None
+    c = h.carrier
+    use: Use | None = None
+    if c is not None and c.role is not None:
+        use = "data" if c.role == "data" else "forward"
     return FixFacts(
         kind=h.kind,
         tensor=h.tensor if named else None,
@@ -242,7 +252,11 @@ def from_report(report: Report, hazard: Hazard | None = None) -> FixFacts:
         saved_at=_line(h.saved_at),
         write=write,
         write_op=op,
+        module_built=built,
+        module_class=cls,
         step=step,
         update=tuple(dict.fromkeys(update)),
         carried=h.carried_by or None,
+        carried_made=_line(c.site) if c is not None and c.name else None,
+        carried_use=use,
     )

@@ -101,10 +101,13 @@ class RepairHost(Protocol):
 
 
 class Blamed(Protocol):
-    """A watcher as blame sees it (:mod:`_blame`): its ledger, names and reports."""
+    """A watcher as blame sees it (:mod:`_blame`): its ledger, names, roots, optimizers
+    and reports."""
 
     ledger: Ledger
     names: dict[int, str]
+    roots: dict[str, weakref.ref[nn.Module]]
+    _optimizers: dict[int, OptimizerState]  # id of each followed optimizer -> its state
     reports: deque[Report]
     strict: bool
     strict_thread: str | None  # the thread strict mode records on

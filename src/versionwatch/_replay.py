@@ -402,7 +402,11 @@ def _site(d: dict[str, Any] | None) -> Site | None:
 def _writer(d: dict[str, Any] | None) -> Writer | None:
     if not d or not d.get("module"):
         return None
-    return Writer(d["module"], d.get("repr") or "", _site(d))
+    return Writer(d["module"], d.get("repr") or "", _site(d), d.get("class") or "")
+
+
+def _stack(d: dict[str, Any]) -> tuple[Site, ...]:
+    return tuple(s for f in d.get("stack") or () if (s := _site(f)) is not None)
 
 
 def _source_line(file: str, line: int) -> str:
@@ -468,10 +472,10 @@ def _fill(h: Hazard, c: dict[str, Any]) -> None:
         writer = _writer(m.get("writer"))
         if event is not None:
             writes.append(Modification(event.kind, event.description, site or event.site,
-                                       event.versions, writer=writer))
+                                       event.versions, writer=writer, stack=_stack(m)))
         else:
             writes.append(Modification(m["kind"], m["description"], site, None,
-                                       writer=writer))
+                                       writer=writer, stack=_stack(m)))
     if writes:
         versions = [m.versions for m in h.modified_by if m.versions]
         if len(writes) == 1 and len(versions) == 1 and writes[0].versions is None:

@@ -121,14 +121,16 @@ class Writer:
 
     Attributes:
         module: its qualified name, as the report names tensors (``"clf.2"``).
-        text: its ``repr()``, which shows how it was built
+        text: its one-line ``repr()``, which shows how it was built
             (``"Dropout(p=0.5, inplace=True)"``).
         built_at: the user's line that constructed it, when it can be found.
+        class_name: its class's name (``"Dropout"``).
     """
 
     module: str
     text: str = ""
     built_at: Site | None = None
+    class_name: str = ""
 
     def __str__(self) -> str:
         return f"{self.module} ({self.text})" if self.text else self.module
@@ -143,7 +145,10 @@ class Modification:
     or custom Function that wrote during a backward). ``writer``: for an
     ``inplace_op`` made inside a module's ``forward``, that module (then
     ``site`` is the user's line that called it); ``None`` when the write is the
-    user's own line, or unknown.
+    user's own line, or unknown. ``stack``: for a write strict mode saw, the
+    user's frames that led to it, outermost first, ``site`` last (a
+    ``no_grad`` update in a helper: the loop's call of the helper, then the
+    write); empty when ``site`` is all there is.
     """
 
     kind: str
@@ -153,6 +158,7 @@ class Modification:
     # For "between_events": the two events around the change, (label, site) each.
     bounds: tuple[tuple[str, Site | None], tuple[str, Site | None]] | None = None
     writer: Writer | None = None
+    stack: tuple[Site, ...] = ()
 
     def __str__(self) -> str:
         text = self.description
@@ -267,9 +273,10 @@ def _modification(m: Modification) -> dict[str, Any]:
         "line": m.site.line if m.site else None,
         **({"versions": list(m.versions)} if m.versions else {}),
         **({"after": _event(m.bounds[0]), "before": _event(m.bounds[1])} if m.bounds else {}),
-        **({"writer": {"module": w.module, "repr": w.text,
+        **({"writer": {"module": w.module, "class": w.class_name or None, "repr": w.text,
                        "file": w.built_at.file if w.built_at else None,
                        "line": w.built_at.line if w.built_at else None}} if w else {}),
+        **({"stack": [_site(s) for s in m.stack]} if m.stack else {}),
     }
 
 

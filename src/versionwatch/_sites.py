@@ -6,6 +6,7 @@ import contextlib
 import linecache
 import os
 import sys
+import sysconfig
 from types import FrameType
 
 import torch
@@ -111,6 +112,32 @@ def site_from(frame: FrameType | None) -> Site | None:
             return site if site is not None else site_at(filename, line)
         frame = frame.f_back
     return None
+
+
+_STDLIB = tuple(os.path.join(os.path.abspath(p), "") for p in
+                {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
+
+
+_is_user: dict[str, bool] = {}
+
+
+def user_frames(frame: FrameType | None) -> list[FrameType]:
+    """Every user frame from ``frame`` up, innermost first: outside the libraries
+    and the standard library (``runpy``, which ``versionwatch run`` starts a
+    script with, is no frame of the user's). For reports: it walks the whole stack."""
+    out = []
+    known = _is_user
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        hit = known.get(filename)
+        if hit is None:
+            hit = known[filename] = not is_library(filename) \
+                and not filename.startswith("<frozen") \
+                and not os.path.abspath(filename).startswith(_STDLIB)
+        if hit:
+            out.append(frame)
+        frame = frame.f_back
+    return out
 
 
 def user_site() -> Site | None:

@@ -21,9 +21,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from versionwatch._built import built_at
 from versionwatch._compat import PEEK as _PEEK
 from versionwatch._compat import HookedSaved, allow_in_peek, peek, sequence_nr, storage_address
-from versionwatch._report import Hazard, Modification, Site
+from versionwatch._report import Hazard, Modification, Site, Writer
 from versionwatch._runtime import Call, Change, Patch, add_probe
 from versionwatch._sites import _is_library, is_library, site_at
 from versionwatch._strict_thread import THREAD, end_step
@@ -38,8 +39,11 @@ class SavedRecord:
     what is cheap; ``writes`` stays an empty tuple until a write hits it.
     """
 
+    # ``written_fn`` is set only by a write that hits the record (never here: a
+    # slot left unset costs nothing on the forward's hot path).
     __slots__ = ("__weakref__", "_silent", "before", "code", "forward", "ids", "line", "module",
-                 "original", "requires_grad", "tensor", "version", "writes")
+                 "original", "requires_grad", "tensor", "version", "writes", "written_fn")
+    written_fn: tuple[str, int]  # (grad_fn name, output_nr) after the last write that hit it
 
     def __init__(self, t: torch.Tensor, module: str | None, forward: str | None,
                  code: CodeType | None = None, line: int = 0) -> None:
@@ -390,6 +394,63 @@ def name_modules(root: nn.Module, prefix: str) -> None:
             _NAME_REFS[key] = weakref.ref(sub, _forget(key))
 
 
+def module_named(qualified: str) -> nn.Module | None:
+    """The live module that strict mode named ``qualified``, if any (for reports: a scan)."""
+    for key, name in list(_NAMES.items()):
+        if name == qualified:
+            ref = _NAME_REFS.get(key)
+            module = ref() if ref is not None else None
+            if module is not None:
+                return module
+    return None
+
+
+# id(module) -> (a weak reference to it, where it was built): found once per module.
+_BUILT: dict[int, tuple[weakref.ref[nn.Module], Site | None]] = {}
+
+
+def writer_at(frame: FrameType | None, files: list[str]) -> Writer | None:
+    """The module whose ``forward`` makes a write, when that write is a library's.
+
+    ``frame``: the frame that called the write's entry point. Up from it, a
+    frame of the user's own (``x += 1`` in their module's ``forward``) means the
+    write is theirs; the module call wrapper first, past library frames only
+    (``F.dropout`` inside ``nn.Dropout.forward``), means it is that module's.
+    ``files``: the user's files on the stack, where its root may have been built.
+    """
+    while frame is not None:
+        code = frame.f_code
+        if code is _CALL_CODE:
+            module = frame.f_locals.get("self")
+            return _writer(module, files) if isinstance(module, nn.Module) else None
+        hit = _is_library.get(code.co_filename)
+        if not (hit if hit is not None else is_library(code.co_filename)):
+            return None
+        frame = frame.f_back
+    return None
+
+
+def _writer(module: nn.Module, files: list[str]) -> Writer:
+    cls = type(module).__name__
+    try:
+        text = f"{cls}({module.extra_repr()})"
+    except Exception:  # a user's extra_repr that fails: the class alone
+        text = cls
+    name = _NAMES.get(id(module))
+    cached = _BUILT.get(id(module))
+    if cached is not None and cached[0]() is module:
+        built = cached[1]
+    else:
+        built = built_at(name, module_named, files) if name is not None else None
+        key = id(module)
+
+        def forget(_: object) -> None:
+            _BUILT.pop(key, None)
+
+        _BUILT[key] = (weakref.ref(module, forget), built)
+    return Writer(name or cls, text, built, cls)
+
+
 def _module_call(call_impl: Callable[..., Any]) -> Callable[..., Any]:
     names, local = _NAMES, THREAD
 
@@ -432,6 +493,7 @@ def _stop() -> None:
     RECORDS.clear()
     _NAMES.clear()
     _NAME_REFS.clear()
+    _BUILT.clear()
 
 
 # Storages with saved records: emptied when the last strict watcher closes.

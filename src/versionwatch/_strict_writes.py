@@ -2,11 +2,15 @@
 
 The Python entry points of every in-place op (the ``Tensor`` methods ending in
 ``_``, ``x[i] = v``, ``+=`` and friends, the ``torch``/``torch._C._nn`` in-place
-functions, ``_foreach_*_``, ``_fused_*_``, ``set_``, ``resize_``, and ``out=`` on
+functions, ``_foreach_*_``, ``_fused_*_``, ``set_``, ``resize_``, ``out=`` on
 the functions of ``torch``, ``torch.linalg``, ``torch.special`` and
-``torch.fft``) are wrapped (:func:`changes`). A write whose target shares
-storage with a live record is recorded with the op, the user's ``file:line``
-and source line; a write to any other memory costs one dict lookup. Writes
+``torch.fft``, and the in-place functions ``torch.nn.functional`` calls through
+``torch._VF`` (``dropout_``, ``threshold_``, ...) or holds itself (``F.elu_``))
+are wrapped (:func:`changes`).
+A write whose target shares storage with a live record is recorded with the
+op, the user's ``file:line`` and source line, and, for a write inside a library
+module's ``forward`` (``nn.Dropout(inplace=True)``), that module and where it
+was built (:mod:`_built`); a write to any other memory costs one dict lookup. Writes
 through ``.data`` and by fused optimizer kernels bump no version: they are
 recorded as ``silent``. ``SavedTensor.register_hooks`` and ``detach_`` are
 wrapped too, so that strict's own hooks stay out of the user's way.
@@ -15,6 +19,8 @@ wrapped too, so that strict's own hooks stay out of the user's way.
 from __future__ import annotations
 
 import functools
+import sys
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -22,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from versionwatch._intercept import jit_builtins
-from versionwatch._report import Modification, Site
+from versionwatch._report import Modification, Site, Writer
 from versionwatch._runtime import Change, Entry, Patch, Registry
-from versionwatch._sites import user_site
+from versionwatch._sites import site_at, user_frames, user_site
 from versionwatch._strict_records import (
     RECORDS,
     SavedRecord,
@@ -33,6 +39,7 @@ from versionwatch._strict_records import (
     on_detach,
     storage_key,
     unpack,
+    writer_at,
 )
 from versionwatch._strict_thread import THREAD, in_step
 
@@ -131,27 +138,44 @@ def _is_silent(name: str, t: torch.Tensor) -> bool:
 
 
 def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-             silent: bool = False) -> None:
-    """Called before an in-place op; records it on the records it hits.
+             silent: bool = False) -> _Hits | None:
+    """Called before an in-place op; records it on the records it hits, and returns those.
 
     ``silent``: the write bumps no version (a fused optimizer step).
     With ``stop_at_write`` it reports there too, and raises under ``raise``.
     """
     __tracebackhide__ = True
     if not RECORDS or THREAD.busy:
-        return
+        return None
     hits: list[tuple[torch.Tensor, SavedRecord]] = []
     for t in written_tensors(name, args, kwargs):
         key = storage_key(t)
         if key:
             hits += [(t, rec) for rec in live(key)]
     if not hits:
-        return
+        return None
     THREAD.busy = True
     try:
         _report_write(name, hits, silent)
     finally:
         THREAD.busy = False
+    return hits
+
+
+def written(hits: _Hits) -> None:
+    """After a write that hit ``hits``: the producer PyTorch will name for a saved tensor.
+
+    PyTorch holds a saved input itself and names the ``grad_fn`` it has when
+    backward reads it (after ``a.add_(1)``: ``AddBackward0``); strict mode holds
+    it weakly, and a helper's local is gone by then. The written tensor's own
+    ``grad_fn``, read once the op has made it, is that name.
+    """
+    for t, rec in hits:
+        ref = rec.original
+        if ref is not None and ref() is t:
+            fn = t.grad_fn
+            if fn is not None:
+                rec.written_fn = (fn.name(), t.output_nr)
 
 
 def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
@@ -165,8 +189,19 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
         if name != "step" and THREAD.step_checked and in_step():
             return  # the step's writes were checked, and recorded, as a whole
         context = THREAD.step
+    writer: Writer | None = None
+    stack: tuple[Site, ...] = ()
     if context:
         label = context if name == "step" else f"{context} ({label})"
+    else:
+        # The user's frames that led here (a no_grad update in a helper: the
+        # loop's call, then the write), and the library module whose forward
+        # writes, if it is one's (F.dropout inside nn.Dropout(inplace=True)).
+        caller = sys._getframe(2)  # on_write's caller: the entry point's wrapper
+        frames = user_frames(caller)
+        writer = writer_at(caller, [f.f_code.co_filename for f in frames])
+        if len(frames) > 1:
+            stack = tuple(site_at(f.f_code.co_filename, f.f_lineno) for f in reversed(frames))
     if REPAIRERS:  # on_hazard="repair": copies first; what is left is recorded
         hits = _to_repairers(label, site, hits)
         if not hits:
@@ -176,7 +211,8 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
     hazards = []
     for t, rec in hits:
         silent = silent_op or _is_silent(name, t)
-        mod = Modification("inplace_op", label + (" (no version bump)" if silent else ""), site)
+        mod = Modification("inplace_op", label + (" (no version bump)" if silent else ""), site,
+                           writer=writer, stack=stack)
         if not rec.writes:
             rec.writes = []
         rec.writes.append(mod)
@@ -199,7 +235,11 @@ def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         if registry and not local.step_checked:
-            on_write(name, args, kwargs)
+            hits = on_write(name, args, kwargs)
+            if hits:
+                out = fn(*args, **kwargs)
+                written(hits)
+                return out
         return fn(*args, **kwargs)
 
     return wrapper
@@ -356,5 +396,26 @@ def changes() -> list[Change]:
             op = builtins.get(id(fn))
             if op is not None:
                 # A dead wrapper's id may be reused by anything: taken out with it.
+                changes.append(Entry(builtins, id(new), op))
+    # torch.nn.functional writes through torch._VF (F.dropout(..., inplace=True)
+    # calls _VF.dropout_, F.threshold _VF.threshold_): a module whose __getattr__
+    # reads the read-only torch._C._VariableFunctions, not torch, so the wrappers
+    # above miss those calls. An attribute set on the module itself wins over its
+    # __getattr__ (and is deleted again on restore). And F's own in-place names
+    # (F.leaky_relu_, F.elu_, F.threshold_, ...) hold the builtins they were
+    # bound to at import, not torch's attributes.
+    vf: Any = torch._VF
+    functional: Any = torch.nn.functional
+    for mod, names in ((vf, dir(torch._C._VariableFunctions)), (functional, dir(functional))):
+        for attr in names:
+            if not attr.endswith("_") or attr.startswith("__") or attr in _METADATA_ONLY:
+                continue
+            fn = getattr(mod, attr, None)
+            if not isinstance(fn, types.BuiltinFunctionType):
+                continue
+            new = _wrap(attr, fn)
+            changes.append(Patch(mod, attr, new))
+            op = builtins.get(id(fn))
+            if op is not None:
                 changes.append(Entry(builtins, id(new), op))
     return changes

@@ -245,7 +245,8 @@ def strict_message(rec: Any, node: Any, slot: str | None = None) -> str:
     of a leaf that requires grad (the ``AsStrided`` node that a stale view's
     grad_fn is rebuilt as), and for a saved input the grad_fn that input has
     now; a leaf has none. Strict mode holds that input weakly: once the
-    program has dropped it (a temporary that is not a view), its name is gone too.
+    program has dropped it (a helper's local), the name is the one it had after
+    the last write that hit the record (``rec.written_fn``), as PyTorch's would be.
 
     Args:
         rec: the :class:`~versionwatch._strict.SavedRecord`.
@@ -263,10 +264,14 @@ def strict_message(rec: Any, node: Any, slot: str | None = None) -> str:
         # has when backward reads it (after `b.add_(1)`, AddBackward0).
         ref = getattr(rec, "original", None)
         original = ref() if ref is not None else None
+        written = getattr(rec, "written_fn", None)
         if original is not None:
             fn = original.grad_fn
             if fn is not None:
                 producer, nr = fn.name(), original.output_nr
+        elif written is not None:
+            # Dropped since: the grad_fn it had after the last write that hit it.
+            producer, nr = written
         elif rec.ids[1] is not None and (ref is not None or rec.requires_grad):
             # A stale view's grad_fn is rebuilt from its base as AsStrided.
             producer = "AsStridedBackward0"
