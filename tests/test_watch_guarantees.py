@@ -637,3 +637,53 @@ def test_backward_wrapped_before_import_runs_once(tmp_path, kind):
     assert ("predicted: inplace" in lines) == (kind == "wraps")
     said = "calls to torch.autograd.backward are not predicted"
     assert out.stderr.count(said) == (kind == "bare"), out.stderr
+
+
+# --- a program that watches its own model, run under watch_all (issue #23, item 2) ----
+
+def forward_labels(w: versionwatch.Watcher) -> list[str]:
+    return [e.label for e in w.ledger.events if e.kind == "forward"]
+
+
+@pytest.mark.parametrize("ran_first", [True, False], ids=["adopted", "not-yet-run"])
+@pytest.mark.parametrize(("auto_strict", "own_strict"),
+                         [(False, False), (True, False), (False, True), (True, True)])
+def test_own_watcher_inside_watch_all_borrows_the_model(ran_first: bool, auto_strict: bool,
+                                                        own_strict: bool):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with versionwatch.watch_all(strict=auto_strict) as auto:
+        if ran_first:
+            model(torch.randn(2, 4))
+            assert list(auto.roots) == ["model"]
+        with versionwatch.watch(model, opt, strict=own_strict) as own:
+            loss = stale_loss(model, opt)
+            with pytest.raises(InplaceModificationError) as info:
+                loss.backward()
+            # Each forward is the borrower's alone; the lender records none meanwhile.
+            assert forward_labels(own) == ["forward #1"]
+        report = info.value.report
+        assert report.hazards[0].tensor == "model.2.weight"
+        assert list(own.reports) == [report]
+        # The run's report (versionwatch run's JSON) holds it, once.
+        assert [r for r in auto.reports] == [report]
+        before = len(forward_labels(auto))
+        assert before == (1 if ran_first else 0)
+        model(torch.randn(2, 4))  # given back: the automatic watcher sees it again
+        assert forward_labels(auto)[before:] == ["model.forward #2" if ran_first
+                                                 else "model.forward #1"]
+        assert list(auto.roots) == ["model"]
+        with versionwatch.watch(model):  # and lends it again
+            with pytest.raises(ValueError, match="already watched"):
+                versionwatch.watch({"again": model})  # two explicit watchers: refused
+    assert_no_module_hooks(model)
+
+
+def test_watch_all_closed_before_the_borrower_is_left_closed():
+    model = mlp()
+    auto = versionwatch.watch_all()
+    model(torch.randn(2, 4))
+    own = versionwatch.watch(model)
+    auto.close()
+    own.close()  # gives nothing back to a closed watcher
+    assert installed() == {}
