@@ -99,6 +99,52 @@ def test_compile_inductor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 # -- autocast and GradScaler ------------------------------------------------------------
 
+def _compiled_training_step(watched: bool) -> tuple[Any, ...]:
+    """Three calls of a compiled step that runs backward and grad inside (aot_eager)."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        out = model(x)
+        out.pow(2).mean().backward(retain_graph=True)
+        torch.autograd.backward(out.sum(), retain_graph=True)
+        (g,) = torch.autograd.grad(out.abs().mean(), [x])
+        return g
+
+    compiled = torch.compile(step, backend="aot_eager")
+    w = versionwatch.watch(model, opt) if watched else None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            grads = []
+            for _ in range(3):
+                grads.append(compiled(torch.randn(2, 4, requires_grad=True)))
+                opt.step()
+                opt.zero_grad()
+    finally:
+        if w is not None:
+            w.close()
+    return (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
+            [str(c.message) for c in caught], [g.tolist() for g in grads],
+            [p.tolist() for p in model.parameters()], w.backward_count if w else 9)
+
+
+@pytest.mark.compile
+def test_compiled_step_with_backward_inside_is_as_plain() -> None:
+    """Issue #23, item 4: dynamo does not trace into our backward stand-in (no extra graph,
+    break or warning), and AOT autograd's own grad while compiling is no backward of ours."""
+    *plain, _ = _compiled_training_step(watched=False)
+    graphs, breaks, caught, grads, params, backwards = _compiled_training_step(watched=True)
+    assert [graphs, breaks, caught, grads, params] == plain
+    assert backwards == 9  # three per call, none counted while compiling
+
+
 def _amp_step_between(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     # Linear runs in bf16: autocast saves the weight's cast, which step() leaves alone.
     scaler = torch.amp.GradScaler("cpu")

@@ -17,6 +17,7 @@ runs it. Forwards enter through :mod:`_forward`'s route instead.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
@@ -27,8 +28,9 @@ from torch.optim import Optimizer
 
 from versionwatch._active import _LOCAL, ACTIVE, current, thread_stack
 from versionwatch._arguments import read_once
+from versionwatch._compat import in_graph_trace, set_eval_frame, skip_code
 from versionwatch._functorch import in_functorch_transform
-from versionwatch._runtime import Anchor, Change, Entry, Hook, Patch
+from versionwatch._runtime import Anchor, Call, Change, Entry, Hook, Patch
 from versionwatch._sites import site_from
 
 if TYPE_CHECKING:
@@ -67,6 +69,12 @@ def _patched(api: str, first: str, inputs_at: int) -> Patch:
 
     ``first`` is the name of the outputs argument, ``inputs_at`` the position of
     ``inputs`` in the original's signature.
+
+    Invisible to ``torch.compile``, as PyTorch's own ``torch.autograd.backward``
+    is (a file dynamo skips): the stand-in's frame is skipped, a trace that
+    reaches it breaks there as at the original, and dynamo's frame callback is
+    off while our code runs, and back on for the original's call (a user's
+    hook that the backward runs is compiled as in a plain run).
     """
 
     def patched(*args: Any, **kwargs: Any) -> Any:
@@ -75,23 +83,56 @@ def _patched(api: str, first: str, inputs_at: int) -> Patch:
         w = current()
         if w is None:
             return original(*args, **kwargs)
-        outputs = args[0] if args else kwargs.get(first)
-        inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
-        # loss.backward() passes a tensor and no inputs: skip the ABC checks (slow).
-        if (type(outputs) is not torch.Tensor or inputs is not None) and (
-                isinstance(outputs, Iterator) or isinstance(inputs, Iterator)):
-            args, kwargs = read_once(args, kwargs, first, inputs_at)
+        prior = set_eval_frame(None) if set_eval_frame is not None else None
+        try:
             outputs = args[0] if args else kwargs.get(first)
             inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
-        if in_functorch_transform(outputs, inputs):
-            w._step_aside()
-            return original(*args, **kwargs)
-        return w._run_backward(api, outputs, inputs, lambda: original(*args, **kwargs),
-                               (args, kwargs), site_from(sys._getframe(1)))
+            # loss.backward() passes a tensor and no inputs: skip the ABC checks (slow).
+            if (type(outputs) is not torch.Tensor or inputs is not None) and (
+                    isinstance(outputs, Iterator) or isinstance(inputs, Iterator)):
+                args, kwargs = read_once(args, kwargs, first, inputs_at)
+                outputs = args[0] if args else kwargs.get(first)
+                inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
+            if in_functorch_transform(outputs, inputs):
+                w._step_aside()
+                return _resume(prior, original, args, kwargs)
+            if in_graph_trace():  # AOT autograd tracing the backward of a compiled graph
+                return _resume(prior, original, args, kwargs)
+            return w._run_backward(api, outputs, inputs,
+                                   functools.partial(_resume, prior, original, args, kwargs),
+                                   (args, kwargs), site_from(sys._getframe(1)))
+        finally:
+            if set_eval_frame is not None:
+                set_eval_frame(prior)
 
     patched.__name__ = patched.__qualname__ = api
+    # What torch._dynamo.disable marks: a trace that reaches it breaks there.
+    patched._torchdynamo_disable = True  # type: ignore[attr-defined]
     patch = Patch(torch.autograd, api, patched)
     return patch
+
+
+def _resume(prior: Any, fn: Callable[..., Any], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` under dynamo's frame callback ``prior``, as in a plain run."""
+    __tracebackhide__ = True
+    if set_eval_frame is None:
+        return fn(*args, **kwargs)
+    set_eval_frame(prior)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        set_eval_frame(None)
+
+
+def _skip_entries() -> None:
+    """Dynamo runs the stand-ins' frames as plain Python (``torch._dynamo.skip``)."""
+    if skip_code is not None:
+        skip_code(_BACKWARD.new.__code__)  # the one code of both stand-ins
+
+
+def _nothing() -> None:
+    pass
 
 
 # backward(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
@@ -143,7 +184,7 @@ def _changes() -> list[Change]:
     # TorchScript compiles torch.autograd.grad/backward to aten ops found by the
     # identity of the function it sees: ours must map to the same ops.
     table = jit_builtins()
-    return [_BACKWARD, _GRAD, _ZERO_GRAD,
+    return [Call(_skip_entries, _nothing), _BACKWARD, _GRAD, _ZERO_GRAD,
             Entry(table, id(backward), "aten::backward"), Entry(table, id(grad), "aten::grad"),
             Hook(register_optimizer_step_pre_hook, step_pre),
             Hook(register_optimizer_step_post_hook, step_post)]
