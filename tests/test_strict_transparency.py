@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import versionwatch
 from versionwatch._runtime import installed
@@ -301,10 +302,10 @@ def test_disable_hooks_and_torch_func_under_strict():
     assert [h.kind for h in report.hazards] == ["silent"]
 
 
-def test_close_from_another_thread_takes_patches_off_and_pops_on_return():
+def _close_elsewhere(w: versionwatch.Watcher) -> None:
+    """Close ``w`` from another thread (re-raising its error here)."""
     import threading
 
-    w = versionwatch.watch_all(strict=True)
     errors: list[BaseException] = []
 
     def close() -> None:
@@ -315,14 +316,75 @@ def test_close_from_another_thread_takes_patches_off_and_pops_on_return():
 
     t = threading.Thread(target=close)
     t.start()
-    t.join()
-    assert not errors, errors
+    t.join(60)
+    assert not t.is_alive() and not errors, errors
+
+
+_PENDING = {"saved-tensor hook entries pending": 1, "saved-tensor hook stack wrappers": 1}
+
+
+def _func_grad() -> list[float]:
+    return torch.func.grad(lambda x: (x * x).sum())(torch.ones(2)).tolist()
+
+
+def _users_block() -> list[float]:
+    x = torch.ones(2, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, lambda t: t):
+        y = x * x
+    y.sum().backward()
+    assert x.grad is not None
+    return x.grad.tolist()
+
+
+@pytest.mark.parametrize("contact", ["save", "torch.func", "users_block", "strict_again"])
+def test_closed_from_another_thread_its_thread_pops_the_entry_at_next_contact(contact: str):
+    """Issue #23, item 6: nothing of ours stays on the opening thread once it meets us again:
+    a save through the inert entry, torch.func's disable/enable, a push or pop."""
+    plain = {"save": None, "torch.func": _func_grad, "users_block": _users_block,
+             "strict_again": None}[contact]
+    expected = plain() if plain is not None else None
+    w = versionwatch.watch_all(strict=True)
+    _close_elsewhere(w)
     assert torch.relu_ is torch._C._VariableFunctions.relu_, "patches came off at once"
     assert _top_is("ours"), "our entry waits on its own thread"
-    _saves_something()  # inert: nothing recorded, nothing kept
-    assert installed() == {"saved-tensor hook entries pending": 1}
-    with versionwatch.watch_all(strict=True):  # entering versionwatch again pops it
-        pass
+    assert installed() == _PENDING
+    if contact == "save":
+        _saves_something()  # the inert pack pops its own entry
+    elif contact == "strict_again":
+        with versionwatch.watch_all(strict=True):
+            pass
+    else:
+        assert plain is not None and plain() == expected  # torch.func runs as unwatched
+    assert _top_is("none")
+    assert installed() == {}
+    assert _func_grad() == [2.0, 2.0]  # and torch.func works from then on
+
+
+def test_an_inert_entry_below_a_live_one_goes_and_the_live_one_stays():
+    """The entry closed from another thread is taken out from under the user's block and a
+    live strict watcher's entry, which go on as they were."""
+    calls: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return t
+
+    outer = versionwatch.watch_all(strict=True)
+    users = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    users.__enter__()
+    try:
+        model = nn.Linear(2, 1)
+        with versionwatch.watch(model, strict=True):
+            _close_elsewhere(outer)
+            x = torch.ones(1, 2, requires_grad=True)
+            y = x.sin()  # the save settles the inert entry; the live one records it
+            assert "saved-tensor hook entries pending" not in installed()
+            x.data.mul_(2)
+            assert [h.kind for h in versionwatch.check(y.sum()).hazards] == ["silent"]
+            assert calls == [] and _top_is("ours")
+    finally:
+        users.__exit__(None, None, None)
+    assert calls == []
     assert _top_is("none")
     assert installed() == {}
 

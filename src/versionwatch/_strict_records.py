@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from versionwatch import _hookstack
 from versionwatch._compat import PEEK as _PEEK
 from versionwatch._compat import HookedSaved, allow_in_peek, peek, sequence_nr, storage_address
 from versionwatch._report import Hazard, Modification, Site
@@ -131,6 +132,7 @@ _purge_at = _PURGE_MIN
 # Storage key -> weak references of the records saved there.
 RECORDS: dict[int, list[weakref.ref[SavedRecord]]] = {}
 _recording = False  # while strict mode is installed: a hook left behind records nothing
+_LEFT = _hookstack.STATE.pending  # entries left on a thread by a close from another
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -144,6 +146,8 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def pack(t: torch.Tensor) -> SavedRecord:
+    if _LEFT:  # an entry closed from another thread waits: this save may be its thread's contact
+        _hookstack.settle_in_pack()
     if not _recording:  # a hook left on a thread by a close from another: inert
         return SavedRecord(t, None, None)
     local = THREAD
