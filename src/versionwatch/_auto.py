@@ -112,6 +112,7 @@ class AutoWatcher(Watcher):
                 del seen[key]
 
         seen[key] = weakref.ref(module, forget)
+        _forward.note_own(module)  # its own compiled call, if any, is read through the route
 
 
 def watch_all(on_hazard: Policy = "raise", strict: bool = False,
