@@ -120,6 +120,38 @@ def test_data_write_after_a_vetoed_step_is_reported():
     assert any(".data = ..." in m.description for m in hz.modified_by)
 
 
+@pytest.mark.parametrize("write", ["data.mul_", "data.copy_", "data[...] =", "helper"])
+def test_in_place_write_through_data_after_a_vetoed_step_is_reported(write: str):
+    """A step that raised leaves its window: a write through ``.data`` after it is seen."""
+    model = _Square()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def veto(*_: object) -> None:
+        raise RuntimeError("vetoed")
+
+    def zero(p: torch.Tensor) -> None:
+        p.data.zero_()  # a write a level down from the caller of step()
+
+    opt.register_step_pre_hook(veto)
+    with versionwatch.watch(model, opt, strict=True, on_hazard="raise"):
+        y = model(torch.full((3,), 2.0))
+        with pytest.raises(RuntimeError, match="vetoed"):
+            opt.step()
+        if write == "data.mul_":
+            model.w.data.mul_(0)
+        elif write == "data.copy_":
+            model.w.data.copy_(torch.zeros(3))
+        elif write == "data[...] =":
+            model.w.data[...] = 0
+        else:
+            zero(model.w)
+        with pytest.raises(versionwatch.InplaceModificationError) as info:
+            y.backward()
+    (hz,) = info.value.report.hazards
+    assert hz.kind == "silent"
+    assert len(hz.modified_by) == 1 and "no version bump" in hz.modified_by[0].description
+
+
 def test_strict_memory_stays_flat_with_a_frozen_layer():
     from versionwatch import _strict_records
 

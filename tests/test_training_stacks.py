@@ -97,6 +97,30 @@ def test_compile_inductor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         torch._dynamo.reset()
 
 
+@pytest.mark.compile
+def test_dynamo_first_used_inside_a_watch_keeps_pytorchs_functions() -> None:
+    """Dynamo builds its tables of torch's functions at its first trace and keeps them: a
+    first trace inside a watch must not leave our stand-ins there (a fresh process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, versionwatch\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import test_training_stacks as t\n"
+        "with versionwatch.watch(torch.nn.Linear(2, 1)):\n"
+        "    torch.compile(lambda x: x * 2, backend='eager')(torch.ones(2))\n"
+        "from torch._dynamo import trace_rules\n"
+        "assert not [f for f in trace_rules.get_torch_obj_rule_map()\n"
+        "            if getattr(f, '__module__', '') == 'versionwatch._intercept']\n"
+        "*plain, _ = t._compiled_training_step(False)\n"
+        "*watched, n = t._compiled_training_step(True)\n"
+        "assert watched == plain and n == 9, (watched[:3], plain[:3], n)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 # -- autocast and GradScaler ------------------------------------------------------------
 
 class _Net(nn.Module):

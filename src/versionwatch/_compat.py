@@ -104,6 +104,47 @@ skip_code: Callable[[CodeType], None] | None = _code_skipper()
 function (a C function: no import of ``torch._dynamo``); None where torch has none."""
 
 
+def _dynamo_tables(build: bool) -> list[dict[Any, Any]]:
+    """Dynamo's cached tables of torch's functions (if imported), built now if ``build``."""
+    rules = sys.modules.get("torch._dynamo.trace_rules")
+    variables = sys.modules.get("torch._dynamo.variables.torch")
+    in_graph = getattr(variables, "TorchInGraphFunctionVariable", None)
+    tables = []
+    for cached in (getattr(rules, "get_torch_obj_rule_map", None),
+                   getattr(in_graph, "_get_handlers", None)):
+        info = getattr(cached, "cache_info", None)
+        if cached is None or info is None:
+            continue
+        try:
+            if build or info().currsize:
+                table = cached()
+                if isinstance(table, dict):
+                    tables.append(table)
+        except Exception:  # dynamo's own business: it builds them at its first trace
+            pass
+    return tables
+
+
+def warm_dynamo() -> None:
+    """Have dynamo, if imported, build its cached tables of torch's functions now.
+
+    Dynamo builds them at its first trace, by name (``torch.autograd.grad``
+    is what that name holds then), and keeps them: built while a watcher's
+    stand-ins hold those names, they would take a stand-in for torch's
+    function. Called before the stand-ins go in.
+    """
+    _dynamo_tables(build=True)
+
+
+def dynamo_forget(pairs: list[tuple[Any, Any]]) -> None:
+    """In dynamo's tables built while the stand-ins were in, each ``(stand-in, original)``
+    pair's stand-in gives its place back to the original (called once they are out)."""
+    for table in _dynamo_tables(build=False):
+        for new, old in pairs:
+            if new in table and old not in table:
+                table[old] = table.pop(new)
+
+
 def _tracing_modes() -> Callable[[], bool]:
     get = getattr(torch._C, "_get_dispatch_mode", None)
     keys = getattr(torch._C, "_TorchDispatchModeKey", None)

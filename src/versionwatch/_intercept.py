@@ -28,7 +28,13 @@ from torch.optim import Optimizer
 
 from versionwatch._active import _LOCAL, ACTIVE, current, thread_stack
 from versionwatch._arguments import read_once
-from versionwatch._compat import in_graph_trace, set_eval_frame, skip_code
+from versionwatch._compat import (
+    dynamo_forget,
+    in_graph_trace,
+    set_eval_frame,
+    skip_code,
+    warm_dynamo,
+)
 from versionwatch._functorch import in_functorch_transform
 from versionwatch._runtime import Anchor, Call, Change, Entry, Hook, Patch
 from versionwatch._sites import site_from
@@ -125,14 +131,20 @@ def _resume(prior: Any, fn: Callable[..., Any], args: tuple[Any, ...],
         set_eval_frame(None)
 
 
-def _skip_entries() -> None:
-    """Dynamo runs the stand-ins' frames as plain Python (``torch._dynamo.skip``)."""
+def _before_patching() -> None:
+    """Dynamo runs the stand-ins' frames as plain Python (``torch._dynamo.skip``).
+
+    Its tables of torch's functions are built first, if it is imported: with
+    PyTorch's own functions in them, not the stand-ins.
+    """
+    warm_dynamo()
     if skip_code is not None:
         skip_code(_BACKWARD.new.__code__)  # the one code of both stand-ins
 
 
-def _nothing() -> None:
-    pass
+def _after_restoring() -> None:
+    """Tables dynamo built meanwhile (imported while we were in) get PyTorch's functions."""
+    dynamo_forget([(_BACKWARD.new, _BACKWARD.original), (_GRAD.new, _GRAD.original)])
 
 
 # backward(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
@@ -184,7 +196,7 @@ def _changes() -> list[Change]:
     # TorchScript compiles torch.autograd.grad/backward to aten ops found by the
     # identity of the function it sees: ours must map to the same ops.
     table = jit_builtins()
-    return [Call(_skip_entries, _nothing), _BACKWARD, _GRAD, _ZERO_GRAD,
+    return [Call(_before_patching, _after_restoring), _BACKWARD, _GRAD, _ZERO_GRAD,
             Entry(table, id(backward), "aten::backward"), Entry(table, id(grad), "aten::grad"),
             Hook(register_optimizer_step_pre_hook, step_pre),
             Hook(register_optimizer_step_post_hook, step_post)]
