@@ -480,3 +480,56 @@ def test_nested_tensor_hazard_keeps_pytorchs_sentence_under_log():
         watched = run()
     assert "modified by an inplace operation: [torch.FloatTensor  2\n 3\n[ torch.LongTensor{2,1} ]]" in plain
     assert plain.split("]]")[0] == watched.split("]]")[0]
+
+
+class _SaveOut(torch.autograd.Function):
+    """Saves its own output, as tests/programs.py's SaveOut."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+def _stale_sentence(case: str) -> str:
+    """PyTorch's error for a tensor changed after it was saved (the backward raises it)."""
+    if case.startswith("custom_output"):
+        x = torch.ones(3, requires_grad=True)
+        y = _SaveOut.apply(_SaveOut.apply(x))  # the second saves an output of the first
+        out = y * 2
+        if case == "custom_output":
+            y.add_(1)  # y's grad_fn is AddBackward0 now; PyTorch names the saving node
+        else:
+            y[0:2].add_(1)  # CopySlices now
+    else:
+        dtype = {"complex64": torch.complex64, "complex128": torch.complex128,
+                 "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}[case]
+        w = torch.ones(3, requires_grad=True)
+        other = torch.ones(3, dtype=dtype)
+        out = w * other  # MulBackward0 saves `other`
+        with torch.no_grad():
+            other.copy_(torch.zeros(3, dtype=dtype))
+    with pytest.raises(RuntimeError) as info:
+        (out.abs() if out.is_complex() else out).sum().backward()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("case", ["complex64", "complex128", "bfloat16", "int64", "bool",
+                                  "custom_output", "custom_output_view"])
+def test_strict_log_keeps_pytorchs_sentence_word_for_word(case: str):
+    """Strict raises its own copy of PyTorch's check (which hooks skip): the same words,
+    the tensor's type as PyTorch's C++ prints it, and the producer PyTorch names."""
+    plain = _stale_sentence(case)
+    with versionwatch.watch_all(strict=True, on_hazard="log"):
+        watched = _stale_sentence(case)
+    assert watched == plain
+    seen: list[versionwatch.Report] = []
+    with versionwatch.watch_all(strict=True, on_hazard=seen.append):
+        assert _stale_sentence(case) == plain
+    assert [h.torch_message for r in seen for h in r.hazards] == [plain]  # the prediction's
