@@ -687,3 +687,42 @@ def test_watch_all_closed_before_the_borrower_is_left_closed():
     auto.close()
     own.close()  # gives nothing back to a closed watcher
     assert installed() == {}
+
+
+# --- a watcher dropped without close() (issue #23) -------------------------------
+
+@pytest.mark.parametrize("how", ["never_entered", "used", "strict", "repair", "watch_all"])
+def test_a_watcher_dropped_without_close_is_collected_and_lets_its_model_go(how: str):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def drop() -> weakref.ref[versionwatch.Watcher]:
+        if how == "watch_all":
+            w: versionwatch.Watcher = versionwatch.watch_all()
+        else:
+            w = versionwatch.watch(model, opt, strict=how == "strict",
+                                   on_hazard="repair" if how == "repair" else "raise")
+        if how != "never_entered":
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+        return weakref.ref(w)
+
+    ref = drop()
+    gc.collect()
+    assert ref() is None, gc.get_referrers(ref()) if ref() is not None else None
+    assert installed() == {}  # its __del__ closed it: nothing of ours is left
+    with versionwatch.watch(model, opt) as again:  # the model can be watched again
+        model(torch.randn(2, 4)).sum().backward()
+    assert again.backward_count == 1
+
+
+def test_a_borrower_dropped_without_close_gives_the_model_back():
+    model = mlp()
+    with versionwatch.watch_all() as auto:
+        model(torch.randn(2, 4))
+        ref = weakref.ref(versionwatch.watch(model))
+        gc.collect()
+        assert ref() is None
+        model(torch.randn(2, 4))
+        assert [e.label for e in auto.ledger.events if e.kind == "forward"] == [
+            "model.forward #1", "model.forward #2"]

@@ -82,12 +82,17 @@ class AutoWatcher(Watcher):
                 for route in routes:
                     self._held.remove(route)
                 remove_all(routes)  # tensors stay tracked: the ledger goes on after
+                # Weakly: a borrower left open keeps neither this watcher nor the module.
+                me, lent = weakref.ref(self), weakref.ref(module)
 
                 def give_back() -> None:
                     with _LOCK:
-                        ref = self.roots.get(name)
-                        if not self.closed and ref is not None and ref() is module:
-                            self._route(name, module)
+                        lender, module = me(), lent()
+                        if lender is None or module is None or lender.closed:
+                            return
+                        ref = lender.roots.get(name)
+                        if ref is not None and ref() is module:
+                            lender._route(name, module)
 
                 return Subscription(give_back)
             # Not adopted: its calls (and its submodules') must not adopt it meanwhile.
@@ -95,12 +100,13 @@ class AutoWatcher(Watcher):
             for sub in added:
                 self._see(sub)
             keys = [(id(sub), self.seen[id(sub)]) for sub in added]
+            seen = self.seen
 
             def forget() -> None:
                 with _LOCK:
                     for key, ref in keys:
-                        if self.seen.get(key) is ref:
-                            del self.seen[key]
+                        if seen.get(key) is ref:
+                            del seen[key]
 
             return Subscription(forget)
 

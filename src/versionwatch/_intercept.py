@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -53,17 +54,18 @@ def owner(opt: Optimizer) -> tuple[OpenWatcher, OptimizerState] | None:
     local = _LOCAL.__dict__  # busy and stack, read without two getattr calls
     if local.get("busy"):
         return None
-    stack: list[OpenWatcher] | None = local.get("stack")
+    stack: list[weakref.ref[OpenWatcher]] | None = local.get("stack")
     if stack is None:
         stack = thread_stack()
-    if len(stack) == 1:  # one watcher on this thread: no list to build
-        candidates = stack
+    candidates: Sequence[OpenWatcher | None]
+    if len(stack) == 1:  # one watcher on this thread
+        candidates = [stack[0]()]
     elif stack:
-        candidates = stack[::-1]
+        candidates = [r() for r in reversed(stack)]
     else:
         candidates = ACTIVE.items()[::-1]
     for w in candidates:
-        if not w.closed:
+        if w is not None and not w.closed:
             state = w._optimizer(opt)
             if state is not None:
                 return w, state

@@ -187,7 +187,10 @@ class Watcher(OptimizerEvents):
         self._routes: dict[str, list[Removable]] = {}  # each root's forward routes
         # The automatic watchers that lent this one a module: they keep its reports too.
         self._lenders: list[weakref.ref[Watcher]] = []
-        self._thread_stack = cast("list[Watcher]", thread_stack())
+        # This thread's stack of open watchers holds them weakly (as every
+        # registry of ours): one dropped without close() is collected.
+        self._thread_stack = cast("list[weakref.ref[Watcher]]", thread_stack())
+        self._stack_ref = weakref.ref(self)
         # Saved-tensor hooks are per thread: strict mode records on this one only.
         self.strict_thread = threading.current_thread().name if self.strict else None
         with _LOCK:
@@ -205,7 +208,7 @@ class Watcher(OptimizerEvents):
             except BaseException:
                 remove_all(self._held)
                 raise
-        self._thread_stack.append(self)
+        self._thread_stack.append(self._stack_ref)
 
     # -- roots and forwards ----------------------------------------------------------
     def _add_root(self, name: str, module: nn.Module) -> None:
@@ -426,9 +429,10 @@ class Watcher(OptimizerEvents):
     def _scope(self) -> list[Watcher]:
         """This watcher, then the other open watchers of its thread, innermost first."""
         stack = self._thread_stack
-        if len(stack) == 1 and stack[0] is self:  # the usual case: one watcher
+        if len(stack) == 1 and stack[0] is self._stack_ref:  # the usual case: one watcher
             return [self]
-        return [self, *(w for w in reversed(stack) if w is not self and not w.closed)]
+        return [self, *(w for r in reversed(stack)
+                        if (w := r()) is not None and w is not self and not w.closed)]
 
     # -- explaining and dispatching --------------------------------------------------
     def _explain(self, report: Report, scope: list[Watcher] | None = None) -> Watcher:
@@ -543,8 +547,11 @@ class Watcher(OptimizerEvents):
             # Each one is given back whatever another's removal raised.
             remove_all(self._held)
         finally:
-            if self in self._thread_stack:
-                self._thread_stack.remove(self)
+            stack = self._thread_stack
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i] is self._stack_ref:  # by identity: dead while it is collected
+                    del stack[i]
+                    break
 
     def __enter__(self) -> Watcher:
         return self
