@@ -741,3 +741,38 @@ def test_replay_after_the_programs_threads(tmp_path: Path):
     (h,) = json.loads((tmp_path / "o.json").read_text())["hazards"]
     assert "same hazard at backward #" in h["replay"], h
     assert h["modified_by"][0]["line"] == line_of(SEED, "optim.step()") + 2
+
+
+OWN_WATCHER = textwrap.dedent("""\
+    import torch
+    import versionwatch
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()  # adopted here under `versionwatch run`
+    opt.step()
+    with versionwatch.watch(model, opt, on_hazard="log") as w:
+        out = model(torch.ones(1, 2))
+        out.sum().backward(retain_graph=True)
+        opt.step()
+        try:
+            out.sum().backward()
+        except RuntimeError as e:
+            print("pytorch:", str(e).split(":")[0])
+    print("own reports:", len(w.reports))
+""")
+
+
+@pytest.mark.parametrize("mode", [[], ["--strict"]], ids=["default", "strict"])
+def test_a_program_that_watches_its_own_model(tmp_path: Path, mode: list[str]):
+    """Issue #23, item 2: the program's own watch() borrows the model; the run keeps the report."""
+    (tmp_path / "own.py").write_text(OWN_WATCHER)
+    plain = python("own.py", cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    r = vw("run", *mode, "--json", "out.json", "own.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == plain.stdout
+    assert "own reports: 1" in r.stdout
+    doc = json.loads((tmp_path / "out.json").read_text())
+    (h,) = doc["hazards"]  # the program's watcher found it; the run's report has it once
+    assert h["tensor"] == "model.2.weight"

@@ -170,3 +170,26 @@ def test_bad_policy_variable_is_a_usage_error(suite: pytest.Pytester,
     result.stdout.fnmatch_lines(["*test_suite.py::test_marked: VERSIONWATCH_ON_HAZARD="
                                  "'garbage' is not a valid policy*"])
     assert "_pytest_plugin.py" not in result.stdout.str()
+
+
+OWN_WATCHER = """
+import torch
+import versionwatch
+
+def test_watches_its_own_model():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    with versionwatch.watch(model, opt) as w:
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    assert w.backward_count == 1
+"""
+
+
+@pytest.mark.parametrize("flag", ["--versionwatch", "--versionwatch-strict"])
+def test_a_test_that_watches_its_own_model(pytester: pytest.Pytester, flag: str):
+    """Issue #23, item 2: the test's own watch() borrows the model from the plugin's watcher."""
+    pytester.makepyfile(test_own=OWN_WATCHER)
+    result = pytester.runpytest_subprocess(flag, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)

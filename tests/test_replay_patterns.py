@@ -21,7 +21,6 @@ import contextlib
 import io
 import json
 import os
-from pathlib import Path
 
 import pytest
 

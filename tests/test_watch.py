@@ -846,3 +846,22 @@ def test_an_acting_forward_that_adopts_a_module_and_writes_it_is_recorded():
     assert len(stats) == 1 and len(stats[0].history) == 1
     moved = stats[0].history[0].modification
     assert (moved.kind, moved.description) == ("module_forward", "during root.forward #2 of root")
+
+
+def test_an_optimizer_given_twice_is_one_optimizer():
+    """Issue #23: the same optimizer passed twice is SGD, not SGD and SGD[1]; AdamW is no Adam."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with versionwatch.watch(model, opt, opt) as w:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    assert [e.label for e in w.ledger.events if e.kind == "step"] == ["SGD.step() #1"]
+    first, second = mlp(), mlp()
+    adamw = torch.optim.AdamW(first.parameters())
+    adam = torch.optim.Adam(second.parameters())
+    with versionwatch.watch({"a": first, "b": second}, adamw, adam) as w:
+        for model, opt in ((first, adamw), (second, adam)):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+    assert [e.label for e in w.ledger.events if e.kind == "step"] == [
+        "AdamW.step() #1", "Adam.step() #1"]

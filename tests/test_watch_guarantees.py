@@ -637,3 +637,92 @@ def test_backward_wrapped_before_import_runs_once(tmp_path, kind):
     assert ("predicted: inplace" in lines) == (kind == "wraps")
     said = "calls to torch.autograd.backward are not predicted"
     assert out.stderr.count(said) == (kind == "bare"), out.stderr
+
+
+# --- a program that watches its own model, run under watch_all (issue #23, item 2) ----
+
+def forward_labels(w: versionwatch.Watcher) -> list[str]:
+    return [e.label for e in w.ledger.events if e.kind == "forward"]
+
+
+@pytest.mark.parametrize("ran_first", [True, False], ids=["adopted", "not-yet-run"])
+@pytest.mark.parametrize(("auto_strict", "own_strict"),
+                         [(False, False), (True, False), (False, True), (True, True)])
+def test_own_watcher_inside_watch_all_borrows_the_model(ran_first: bool, auto_strict: bool,
+                                                        own_strict: bool):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with versionwatch.watch_all(strict=auto_strict) as auto:
+        if ran_first:
+            model(torch.randn(2, 4))
+            assert list(auto.roots) == ["model"]
+        with versionwatch.watch(model, opt, strict=own_strict) as own:
+            loss = stale_loss(model, opt)
+            with pytest.raises(InplaceModificationError) as info:
+                loss.backward()
+            # Each forward is the borrower's alone; the lender records none meanwhile.
+            assert forward_labels(own) == ["forward #1"]
+        report = info.value.report
+        assert report.hazards[0].tensor == "model.2.weight"
+        assert list(own.reports) == [report]
+        # The run's report (versionwatch run's JSON) holds it, once.
+        assert [r for r in auto.reports] == [report]
+        before = len(forward_labels(auto))
+        assert before == (1 if ran_first else 0)
+        model(torch.randn(2, 4))  # given back: the automatic watcher sees it again
+        assert forward_labels(auto)[before:] == ["model.forward #2" if ran_first
+                                                 else "model.forward #1"]
+        assert list(auto.roots) == ["model"]
+        with versionwatch.watch(model):  # and lends it again
+            with pytest.raises(ValueError, match="already watched"):
+                versionwatch.watch({"again": model})  # two explicit watchers: refused
+    assert_no_module_hooks(model)
+
+
+def test_watch_all_closed_before_the_borrower_is_left_closed():
+    model = mlp()
+    auto = versionwatch.watch_all()
+    model(torch.randn(2, 4))
+    own = versionwatch.watch(model)
+    auto.close()
+    own.close()  # gives nothing back to a closed watcher
+    assert installed() == {}
+
+
+# --- a watcher dropped without close() (issue #23) -------------------------------
+
+@pytest.mark.parametrize("how", ["never_entered", "used", "strict", "repair", "watch_all"])
+def test_a_watcher_dropped_without_close_is_collected_and_lets_its_model_go(how: str):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def drop() -> weakref.ref[versionwatch.Watcher]:
+        if how == "watch_all":
+            w: versionwatch.Watcher = versionwatch.watch_all()
+        else:
+            w = versionwatch.watch(model, opt, strict=how == "strict",
+                                   on_hazard="repair" if how == "repair" else "raise")
+        if how != "never_entered":
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+        return weakref.ref(w)
+
+    ref = drop()
+    gc.collect()
+    assert ref() is None, gc.get_referrers(ref()) if ref() is not None else None
+    assert installed() == {}  # its __del__ closed it: nothing of ours is left
+    with versionwatch.watch(model, opt) as again:  # the model can be watched again
+        model(torch.randn(2, 4)).sum().backward()
+    assert again.backward_count == 1
+
+
+def test_a_borrower_dropped_without_close_gives_the_model_back():
+    model = mlp()
+    with versionwatch.watch_all() as auto:
+        model(torch.randn(2, 4))
+        ref = weakref.ref(versionwatch.watch(model))
+        gc.collect()
+        assert ref() is None
+        model(torch.randn(2, 4))
+        assert [e.label for e in auto.ledger.events if e.kind == "forward"] == [
+            "model.forward #1", "model.forward #2"]

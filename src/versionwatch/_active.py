@@ -9,6 +9,7 @@ the thread is *busy*: whatever it does is no user event.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 from versionwatch._runtime import Registry
@@ -16,16 +17,18 @@ from versionwatch._runtime import Registry
 if TYPE_CHECKING:
     from versionwatch._protocols import OpenWatcher
 
-# Per thread: ``busy`` (our own code runs) and ``stack`` (its open watchers,
-# innermost last). Read through __dict__ on hot paths: two getattr calls cost more.
+# Per thread: ``busy`` (our own code runs) and ``stack`` (weak references to its
+# open watchers, innermost last). Read through __dict__ on hot paths: two getattr
+# calls cost more. Weak, as the registry: a watcher dropped without close() is
+# collected, and its __del__ closes it.
 _LOCAL = threading.local()
 # Open watchers, oldest first: truthy while any is open.
-ACTIVE: Registry[OpenWatcher] = Registry("watchers")
+ACTIVE: Registry[OpenWatcher] = Registry("watchers", weak=True)
 
 
-def thread_stack() -> list[OpenWatcher]:
+def thread_stack() -> list[weakref.ref[OpenWatcher]]:
     """This thread's open watchers, innermost last (the list itself, to change)."""
-    stack: list[OpenWatcher] | None = getattr(_LOCAL, "stack", None)
+    stack: list[weakref.ref[OpenWatcher]] | None = getattr(_LOCAL, "stack", None)
     if stack is None:
         stack = _LOCAL.stack = []
     return stack
@@ -36,7 +39,13 @@ def current() -> OpenWatcher | None:
     local = _LOCAL.__dict__  # busy and stack, read without two getattr calls
     if local.get("busy"):
         return None
-    stack: list[OpenWatcher] | None = local.get("stack")
+    stack: list[weakref.ref[OpenWatcher]] | None = local.get("stack")
     if stack:
-        return stack[-1]
+        w = stack[-1]()
+        if w is not None:
+            return w
+        for ref in reversed(stack):  # the innermost was dropped, and is being collected
+            w = ref()
+            if w is not None and not w.closed:
+                return w
     return ACTIVE.newest()

@@ -17,14 +17,25 @@ from torch import nn
 
 from versionwatch import _distributed, _forward
 from versionwatch._config import Policy
-from versionwatch._watch import Watcher, _variable_name
+from versionwatch._runtime import Removable, Subscription, remove_all
+from versionwatch._watch import _LOCK, Watcher, _variable_name
 
 
 class AutoWatcher(Watcher):
     """A :class:`Watcher` that adopts every root module when it first runs.
 
     Create it with :func:`versionwatch.watch_all`.
+
+    A program run under it (``versionwatch run``, ``pytest --versionwatch``) may
+    watch a model itself: ``watch(model)`` borrows the model for its span. A
+    root this watcher adopted stops being recorded here (its tensors stay
+    tracked) and is recorded again from the borrower's ``close()``; a module
+    not run yet is not adopted during the span, and is adopted when it next
+    runs after it. The borrower's own policy applies to its backwards, and the
+    reports it keeps are kept here too, once each.
     """
+
+    lends_roots = True
 
     def __init__(self, on_hazard: Policy = "raise", strict: bool = False,
                  stop_at_write: bool = False, repair_budget: int | None = None) -> None:
@@ -63,6 +74,42 @@ class AutoWatcher(Watcher):
             self._see(sub)
         self._add_root(unique, module)
 
+    def _lend(self, module: nn.Module) -> Removable:
+        with _LOCK:
+            name = next((n for n, r in self.roots.items() if r() is module), None)
+            if name is not None:
+                routes = self._routes.pop(name, [])
+                for route in routes:
+                    self._held.remove(route)
+                remove_all(routes)  # tensors stay tracked: the ledger goes on after
+                # Weakly: a borrower left open keeps neither this watcher nor the module.
+                me, lent = weakref.ref(self), weakref.ref(module)
+
+                def give_back() -> None:
+                    with _LOCK:
+                        lender, module = me(), lent()
+                        if lender is None or module is None or lender.closed:
+                            return
+                        ref = lender.roots.get(name)
+                        if ref is not None and ref() is module:
+                            lender._route(name, module)
+
+                return Subscription(give_back)
+            # Not adopted: its calls (and its submodules') must not adopt it meanwhile.
+            added = [sub for sub in module.modules() if id(sub) not in self.seen]
+            for sub in added:
+                self._see(sub)
+            keys = [(id(sub), self.seen[id(sub)]) for sub in added]
+            seen = self.seen
+
+            def forget() -> None:
+                with _LOCK:
+                    for key, ref in keys:
+                        if seen.get(key) is ref:
+                            del seen[key]
+
+            return Subscription(forget)
+
     def _see(self, module: nn.Module) -> None:
         seen, key = self.seen, id(module)
 
@@ -71,6 +118,7 @@ class AutoWatcher(Watcher):
                 del seen[key]
 
         seen[key] = weakref.ref(module, forget)
+        _forward.note_own(module)  # its own compiled call, if any, is read through the route
 
 
 def watch_all(on_hazard: Policy = "raise", strict: bool = False,

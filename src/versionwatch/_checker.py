@@ -37,7 +37,7 @@ from versionwatch._report import Hazard
 from versionwatch._runtime import Anchor, Patch
 from versionwatch._slots import COPY_SLICES, CUSTOM, PLANS, hooked, is_trusted, plan_of, planned
 from versionwatch._strict_records import RECORDS as _RECORDS
-from versionwatch._strict_records import SavedRecord
+from versionwatch._strict_records import SavedRecord, output_of
 from versionwatch._strict_records import unpack as _strict_unpack
 from versionwatch._torch_messages import (
     BACKWARD_SUFFIX,
@@ -231,7 +231,7 @@ class Checker:
         h = rec.hazard(fn.name(), slot, kind)
         if kind == "inplace":
             # PyTorch skips its check behind hooks: its words, as it would say them.
-            h.torch_message = strict_message(rec, fn, slot)
+            h.torch_message = strict_message(rec, fn, slot, output_of(rec))
         self.findings.append(Finding(i, len(self.findings), h, rec))
 
     def _silent(self, i: int, fn: Node, slot: str, data: Any) -> None:

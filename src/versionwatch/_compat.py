@@ -72,6 +72,97 @@ is_tracing: Callable[[], bool] = getattr(
 :func:`is_compiling`, which also covers torch.export."""
 
 
+_EVAL_FRAME: Any = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+
+set_eval_frame: Callable[[Any], Any] | None = getattr(_EVAL_FRAME, "set_eval_frame", None)
+"""Dynamo's frame callback of this thread, replaced; returns the one it replaced.
+
+``None`` lets every frame run as plain Python (what ``torch._dynamo.disable``
+sets around the function it wraps). A C function: no import of ``torch._dynamo``."""
+
+
+def _code_skipper() -> Callable[[CodeType], None] | None:
+    skip = getattr(_EVAL_FRAME, "skip_code", None)  # torch < 2.6 or so
+    if skip is not None:
+        return skip  # type: ignore[no-any-return]
+    strategy = getattr(_EVAL_FRAME, "set_code_exec_strategy", None)
+    frame_exec = getattr(_EVAL_FRAME, "_FrameExecStrategy", None)
+    action = getattr(_EVAL_FRAME, "_FrameAction", None)
+    if strategy is None or frame_exec is None or action is None:
+        return None
+
+    def skip_code(code: CodeType) -> None:
+        # What torch._dynamo.eval_frame.skip_code does: this frame runs as plain
+        # Python, the frames it calls as dynamo decides.
+        strategy(code, frame_exec(action.SKIP, action.DEFAULT))
+
+    return skip_code
+
+
+skip_code: Callable[[CodeType], None] | None = _code_skipper()
+"""Dynamo skips frames of this code object, as ``torch._dynamo.skip`` marks a
+function (a C function: no import of ``torch._dynamo``); None where torch has none."""
+
+
+def _dynamo_tables(build: bool) -> list[dict[Any, Any]]:
+    """Dynamo's cached tables of torch's functions (if imported), built now if ``build``."""
+    rules = sys.modules.get("torch._dynamo.trace_rules")
+    variables = sys.modules.get("torch._dynamo.variables.torch")
+    in_graph = getattr(variables, "TorchInGraphFunctionVariable", None)
+    tables = []
+    for cached in (getattr(rules, "get_torch_obj_rule_map", None),
+                   getattr(in_graph, "_get_handlers", None)):
+        info = getattr(cached, "cache_info", None)
+        if cached is None or info is None:
+            continue
+        try:
+            if build or info().currsize:
+                table = cached()
+                if isinstance(table, dict):
+                    tables.append(table)
+        except Exception:  # dynamo's own business: it builds them at its first trace
+            pass
+    return tables
+
+
+def warm_dynamo() -> None:
+    """Have dynamo, if imported, build its cached tables of torch's functions now.
+
+    Dynamo builds them at its first trace, by name (``torch.autograd.grad``
+    is what that name holds then), and keeps them: built while a watcher's
+    stand-ins hold those names, they would take a stand-in for torch's
+    function. Called before the stand-ins go in.
+    """
+    _dynamo_tables(build=True)
+
+
+def dynamo_forget(pairs: list[tuple[Any, Any]]) -> None:
+    """In dynamo's tables built while the stand-ins were in, each ``(stand-in, original)``
+    pair's stand-in gives its place back to the original (called once they are out)."""
+    for table in _dynamo_tables(build=False):
+        for new, old in pairs:
+            if new in table and old not in table:
+                table[old] = table.pop(new)
+
+
+def _tracing_modes() -> Callable[[], bool]:
+    get = getattr(torch._C, "_get_dispatch_mode", None)
+    keys = getattr(torch._C, "_TorchDispatchModeKey", None)
+    found = [getattr(keys, k) for k in ("PROXY", "FUNCTIONAL") if hasattr(keys, k)]
+    if get is None or not found:
+        return lambda: False
+
+    def in_graph_trace() -> bool:
+        return any(get(k) is not None for k in found)
+
+    return in_graph_trace
+
+
+in_graph_trace: Callable[[], bool] = _tracing_modes()
+"""Whether a graph is being traced (make_fx, AOT autograd's joint graph: a proxy or
+functionalization mode is on): a backward called now is traced, not run."""
+
+
 UNREAD = object()
 """What :func:`peek` returns when strict's records came back but the value did not."""
 

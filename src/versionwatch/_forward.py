@@ -8,8 +8,10 @@ watcher is open, the class attribute ``nn.Module._compiled_call_impl`` (``None``
 set on an instance by ``module.compile()``) is a descriptor. ``nn.Module.__call__``
 reads it first, and calls what it gives instead of ``_call_impl``: for a watched
 root (or, under ``watch_all``, a module not seen yet) a call that records the
-forward around ``_call_impl``; for any other module ``None``, so the call goes
-on as in a plain run. Roots are held by weak reference.
+forward around ``_call_impl`` (or around the module's own compiled call, which
+``module.compile()`` keeps in the instance's dict); for any other module what
+a plain run reads there (``None``, or that compiled call). Roots are held by
+weak reference.
 
 A module hook, even a global one, sends every call down ``nn.Module``'s slow
 path; wrapping ``_call_impl`` adds a Python frame to every module call, and
@@ -163,30 +165,63 @@ def _route_on(cls: type[nn.Module]) -> Anchor:
     return anchor(("forward route", cls), f"forward route on {cls.__qualname__}", changes)
 
 
+_OWN = "_compiled_call_impl"
+# Ids of modules that may hold their own compiled call (``module.compile()``):
+# set through the route, or found when the adopter first saw the module. A
+# module the one adopter has seen is answered without reading its dict unless
+# it is here. A hint: an id may outlive its module.
+_OWNS: set[int] = set()
+
+
+def note_own(module: nn.Module) -> None:
+    """``module`` is seen by an adopter: remember whether it has its own compiled call."""
+    if vars(module).get(_OWN) is not None:
+        _OWNS.add(id(module))
+
+
 class _Route:
     """``nn.Module._compiled_call_impl`` while a watcher is open.
 
-    A non-data descriptor: ``module.compile()`` still sets the instance's own.
+    A data descriptor, so that a module's own compiled call (``module.compile()``
+    sets one on the instance) cannot hide its forwards: it is stored in the
+    instance's dict, as without the route (so it stays there, and pickles and
+    copies as plain), and read from there: a watched root's call runs through
+    it, any other module gets it as unwatched.
     """
 
     __slots__ = ()
 
     def __get__(self, module: nn.Module | None, owner: type | None = None) -> Any:
+        if module is None:
+            return None
         # Inside a trace: nothing to record, and id(module) would make the
         # trace guard on this very module, and recompile for the next one.
-        if module is None or is_tracing():
-            return None
+        if is_tracing():
+            return vars(module).get(_OWN)
         key = id(module)
         call = _CALLS.get(key)
         if call is not None:
             return call
         if _ONE_SEEN and key in _ONE_SEEN[0]:
-            return None  # the one adopter saw it: every call of a submodule ends here
+            # the one adopter saw it: every call of a submodule ends here
+            return vars(module).get(_OWN) if _OWNS and key in _OWNS else None
         for ref in _ADOPTERS:
             adopter = ref()
             if adopter is not None and key not in adopter.seen and not adopter.closed:
                 return functools.partial(_call, weakref.ref(module))
-        return None
+        return vars(module).get(_OWN)
+
+    def __set__(self, module: nn.Module, value: Any) -> None:
+        vars(module)[_OWN] = value
+        if value is not None:
+            _OWNS.add(id(module))
+
+    def __delete__(self, module: nn.Module) -> None:
+        try:
+            del vars(module)[_OWN]
+        except KeyError:
+            raise AttributeError(
+                f"{type(module).__name__!r} object has no attribute {_OWN!r}") from None
 
 
 def _call(target: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
@@ -194,7 +229,8 @@ def _call(target: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
     __tracebackhide__ = True  # pytest: a plain run has no such frame
     module = target()
     assert module is not None  # it is being called
-    call_impl: Callable[..., Any] = module._call_impl
+    # Its own compiled call (module.compile()), else the plain one.
+    call_impl: Callable[..., Any] = vars(module).get(_OWN) or module._call_impl
     if ((_COMPILER._is_compiling_flag if _COMPILER is not None else is_compiling())
             or (functorch_level is not None and functorch_level() is not None)):
         # torch.export; or torch.func, whose functional_call swapped the

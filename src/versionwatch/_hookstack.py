@@ -15,19 +15,25 @@ Python entry points are wrapped:
   they are disabled, where PyTorch would refuse, and ``enable`` puts them back.
 
 No thread may pop another thread's stack: a watcher closed from another
-thread leaves its entry, inert, for its own thread to pop when it next enters
-versionwatch.
+thread leaves its entry, inert, for its own thread to take out at its next
+contact with versionwatch: a save through that entry (the pack hook takes it
+out: PyTorch copied the hook pair for the save in progress, see
+``SavedVariable``'s constructor in ``torch/csrc/autograd/saved_variable.cpp``),
+a push or pop, a ``torch.func`` transform's disable/enable, a new strict
+watcher. The wrappers, which those contacts go through, stay installed until
+every such entry is taken out or its thread has ended (:data:`WRAPPERS`).
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Union
 
 import torch
 
-from versionwatch._runtime import Call, Change, Patch, add_probe
+from versionwatch._runtime import Anchor, Call, Change, Patch, Subscription, add_probe
 
 _C: Any = torch._C._autograd
 _NAMES = ("_push_saved_tensors_default_hooks", "_pop_saved_tensors_default_hooks",
@@ -36,14 +42,30 @@ _NAMES = ("_push_saved_tensors_default_hooks", "_pop_saved_tensors_default_hooks
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
 
 
+class _Alive:
+    """Kept by a thread's local state only: it dies when the thread ends."""
+
+    __slots__ = ("__weakref__",)
+
+
+class Entry:
+    """One strict watcher's entry on a thread's stack (what :func:`push` returns)."""
+
+    __slots__ = ("ident", "thread")
+
+    def __init__(self, ident: int, thread: weakref.ref[_Alive]) -> None:
+        self.ident = ident
+        self.thread = thread  # dead once the thread has ended
+
+
 class _Thread(threading.local):
     """This thread's view of its stack, from our lowest entry up."""
 
     gen = 0  # the install it was kept under; stale after a later one
-    # None for our entry, (pack, unpack) for someone else's pushed above ours.
-    shadow: list[Hooks | None] | None = None
-    suspended = 0  # our entries set aside while hooks are disabled
-    token: object | None = None  # tells this thread from a later one with its ident
+    # An Entry for ours, (pack, unpack) for someone else's pushed above ours.
+    shadow: list[Union[Entry, Hooks]] | None = None
+    suspended: list[Entry] | None = None  # ours, set aside while hooks are disabled
+    alive: _Alive | None = None  # tells this thread from a later one with its ident
 
 
 class _State:
@@ -52,38 +74,48 @@ class _State:
         self.gen = 0
         self.local = _Thread()
         self.lock = threading.Lock()
-        # thread ident -> that thread's token, for each entry it has to pop
-        self.pending: dict[int, list[object]] = {}
+        # thread ident -> the entries closed from other threads that it has to
+        # take out, each with its hold on the wrappers.
+        self.pending: dict[int, list[tuple[Entry, Subscription]]] = {}
+        self.held: Subscription | None = None  # strict mode's hold on the wrappers
 
 
 STATE = _State()
 
 
-def _shadow() -> list[Hooks | None]:
+def _shadow() -> list[Union[Entry, Hooks]]:
     local = STATE.local
     if local.shadow is None or local.gen != STATE.gen:
-        # Kept under an earlier install: only entries left to pop are known,
-        # and nothing above them (pushes since were not seen).
-        left = STATE.pending.get(threading.get_ident(), [])
-        local.shadow = [None] * sum(1 for t in left if t is local.token)
-        local.suspended = 0
+        # Kept under an earlier install of the wrappers: pushes since were not
+        # seen. Entries are left only while the wrappers are in (their holds),
+        # so none of ours is known to be here.
+        local.shadow = []
+        local.suspended = []
         local.gen = STATE.gen
     return local.shadow
 
 
+def _suspended() -> list[Entry]:
+    _shadow()
+    suspended = STATE.local.suspended
+    assert suspended is not None
+    return suspended
+
+
 def changes(pack: Callable[[torch.Tensor], Any],
             unpack: Callable[[Any], torch.Tensor]) -> list[Change]:
-    """Wrapping the stack's entry points; ``pack``/``unpack`` are strict mode's hooks."""
+    """Strict mode's part: its hook pair, and a hold on the stack's wrappers."""
 
     def start() -> None:
         STATE.ours = (pack, unpack)
-        STATE.gen += 1
+        STATE.held = WRAPPERS.subscribe()
 
-    return [Call(start, _nothing), *_PATCHES.values()]
+    def stop() -> None:
+        held, STATE.held = STATE.held, None
+        if held is not None:
+            held.remove()
 
-
-def _nothing() -> None:
-    pass
+    return [Call(start, stop)]
 
 
 def _real(name: str) -> Any:
@@ -92,64 +124,128 @@ def _real(name: str) -> Any:
     return patch.old if patch.on else getattr(_C, name)
 
 
-def push() -> tuple[int, object]:
+def push() -> Entry:
     """Push strict mode's entry on this thread (a strict watcher opens).
 
-    Returns what :func:`pop` takes: the thread, as its ident and its token.
+    Returns what :func:`pop` takes.
     """
     settle()
     local = STATE.local
-    if local.token is None:
-        local.token = object()
+    if local.alive is None:
+        local.alive = _Alive()
+    # Its thread's end drops what is left of its entries (their stack is gone).
+    entry = Entry(threading.get_ident(), weakref.ref(local.alive, _forget_ended))
     shadow = _shadow()
     assert STATE.ours is not None
     if not _C._saved_tensors_hooks_is_enabled():
-        local.suspended += 1  # pushed when enabled again
+        _suspended().append(entry)  # pushed when enabled again
     else:
         _real("_push_saved_tensors_default_hooks")(*STATE.ours)
-        shadow.append(None)
-    return threading.get_ident(), local.token
+        shadow.append(entry)
+    return entry
 
 
-def pop(owner: tuple[int, object]) -> None:
-    """Take one of strict mode's entries off the stack of ``owner``, a thread."""
-    ident, token = owner
-    if ident != threading.get_ident() or token is not STATE.local.token:
+def _mine(entry: Entry) -> bool:
+    alive = STATE.local.alive
+    return entry.ident == threading.get_ident() and alive is not None \
+        and entry.thread() is alive
+
+
+def pop(entry: Entry) -> None:
+    """Take ``entry`` off its thread's stack; from another thread, leave it for that one."""
+    if not _mine(entry):
+        if entry.thread() is None:
+            return  # its thread has ended, and its stack with it
+        hold = WRAPPERS.subscribe()  # the contacts go through the wrappers
         with STATE.lock:
-            STATE.pending.setdefault(ident, []).append(token)
+            STATE.pending.setdefault(entry.ident, []).append((entry, hold))
+        # Its thread may have ended meanwhile: then nothing is left to take out.
+        if entry.thread() is None:
+            _forget_ended()
         return
-    _remove_ours()
+    settle()
+    _remove(entry)
 
 
 def settle() -> None:
-    """Pop the entries that watchers closed from other threads left on this one."""
+    """Take out the entries that watchers closed from other threads left on this one."""
     if not STATE.pending:
         return
-    ident, token = threading.get_ident(), STATE.local.token
-    _shadow()  # counts them, if kept under an earlier install
-    with STATE.lock:
-        left = STATE.pending.pop(ident, [])
-    for t in left:
-        if t is token:
-            _remove_ours()
-
-
-def _remove_ours() -> None:
-    local = STATE.local
-    shadow = _shadow()
-    if local.suspended:
-        local.suspended -= 1
+    ident = threading.get_ident()
+    if ident not in STATE.pending:
         return
-    if None not in shadow:
+    with STATE.lock:
+        left = STATE.pending.get(ident)
+        if not left:
+            return
+        mine = [(e, h) for e, h in left if _mine(e)]
+        if not mine:
+            return
+        rest = [(e, h) for e, h in left if not _mine(e)]
+        if rest:
+            STATE.pending[ident] = rest
+        else:
+            del STATE.pending[ident]
+    try:
+        for entry, _ in mine:
+            _remove(entry)
+    finally:
+        for _, hold in mine:
+            hold.remove()  # the last one takes the wrappers out
+
+
+def settle_in_pack() -> None:
+    """A save went through one of our entries while this thread has some left to take out.
+
+    The pack hook's contact: PyTorch copied the hook pair for this save
+    before calling it, so the stack may change under it. Not inside a
+    backward's node, whose changes to the stack the engine undoes after it.
+    """
+    if not _in_backward():
+        settle()
+
+
+def _forget_ended(_: object = None) -> None:
+    """Drop the entries of threads that have ended (their stacks went with them)."""
+    gone: list[Subscription] = []
+    with STATE.lock:
+        for ident in list(STATE.pending):
+            left = STATE.pending[ident]
+            live = [(e, h) for e, h in left if e.thread() is not None]
+            gone += [h for e, h in left if e.thread() is None]
+            if live:
+                STATE.pending[ident] = live
+            else:
+                del STATE.pending[ident]
+    for hold in gone:
+        hold.remove()
+
+
+def _remove(entry: Entry) -> None:
+    """Take ``entry`` off this thread's stack; entries pushed above it go back in order."""
+    suspended = _suspended()
+    for i, e in enumerate(suspended):
+        if e is entry:
+            del suspended[i]
+            return
+    shadow = _shadow()
+    at = next((i for i in range(len(shadow) - 1, -1, -1) if shadow[i] is entry), None)
+    if at is None:
         return  # not on this stack (pushed under an install whose record is gone)
-    i = len(shadow) - 1 - shadow[::-1].index(None)
-    above = [h for h in shadow[i + 1:] if h is not None]
+    above = shadow[at + 1:]
     real_pop = _real("_pop_saved_tensors_default_hooks")
     for _ in range(len(above) + 1):
         real_pop()
     for hooks in above:
-        _real("_push_saved_tensors_default_hooks")(*hooks)
-    del shadow[i]
+        _repush(hooks)
+    del shadow[at]
+
+
+def _repush(hooks: Union[Entry, Hooks]) -> None:
+    assert STATE.ours is not None or not isinstance(hooks, Entry)
+    pair = STATE.ours if isinstance(hooks, Entry) else hooks
+    assert pair is not None
+    _real("_push_saved_tensors_default_hooks")(*pair)
 
 
 def _in_backward() -> bool:
@@ -177,23 +273,23 @@ def _pop() -> None:
     settle()
     shadow = _shadow()
     real_pop = _real("_pop_saved_tensors_default_hooks")
-    if not shadow or shadow[-1] is not None:
+    if not shadow or not isinstance(shadow[-1], Entry):
         real_pop()
         if shadow:
             shadow.pop()
         return
-    # Our entry is on top: the caller's is the topmost other one, below it.
+    # Our entries are on top: the caller's is the topmost other one, below them.
     ours = 0
-    while ours < len(shadow) and shadow[len(shadow) - 1 - ours] is None:
+    while ours < len(shadow) and isinstance(shadow[len(shadow) - 1 - ours], Entry):
         ours += 1
+    top = shadow[len(shadow) - ours:]
     for _ in range(ours):
         real_pop()
     try:
         real_pop()
     finally:
-        assert STATE.ours is not None
-        for _ in range(ours):
-            _real("_push_saved_tensors_default_hooks")(*STATE.ours)
+        for entry in top:
+            _repush(entry)
     below = len(shadow) - 1 - ours
     if below >= 0:
         del shadow[below]
@@ -204,7 +300,7 @@ def _disable(message: str, *args: Any, **kwargs: Any) -> None:
     real_disable = _real("_saved_tensors_hooks_disable")
     shadow = _shadow()
     fail_if_non_empty = (args[0] if args else kwargs.get("fail_if_non_empty", True))
-    if not shadow or not fail_if_non_empty or any(h is not None for h in shadow):
+    if not shadow or not fail_if_non_empty or any(not isinstance(h, Entry) for h in shadow):
         real_disable(message, *args, **kwargs)
         return
     # Only our entries are there: PyTorch would refuse them, and would accept
@@ -215,38 +311,46 @@ def _disable(message: str, *args: Any, **kwargs: Any) -> None:
     try:
         real_disable(message, *args, **kwargs)
     except BaseException:
-        assert STATE.ours is not None
-        for _ in shadow:
-            _real("_push_saved_tensors_default_hooks")(*STATE.ours)
+        for entry in shadow:
+            _repush(entry)
         raise
-    STATE.local.suspended += len(shadow)
+    _suspended().extend(e for e in shadow if isinstance(e, Entry))
     shadow.clear()
 
 
 def _enable() -> None:
     settle()
     _real("_saved_tensors_hooks_enable")()
-    local = STATE.local
+    suspended = _suspended()
     shadow = _shadow()
-    if local.suspended:
-        assert STATE.ours is not None
-        for _ in range(local.suspended):
-            _real("_push_saved_tensors_default_hooks")(*STATE.ours)
-            shadow.append(None)
-        local.suspended = 0
+    if suspended:
+        for entry in suspended:
+            _repush(entry)
+            shadow.append(entry)
+        suspended.clear()
+
+
+def _bump() -> None:
+    STATE.gen += 1  # every thread's shadow was kept under the previous install
+
+
+def _nothing() -> None:
+    pass
 
 
 _PATCHES = {name: Patch(_C, name, new)
             for name, new in zip(_NAMES, (_push, _pop, _disable, _enable))}
+# The stack's entry points wrapped, while a strict watcher is open or an entry
+# left by a close from another thread waits for its thread.
+WRAPPERS = Anchor("saved-tensor hook stack wrappers",
+                  lambda: [Call(_bump, _nothing), *_PATCHES.values()])
 
 
 def _pending() -> int:
-    """Entries that closes from other threads left for a live thread to pop."""
-    alive = {t.ident for t in threading.enumerate()}
+    """Entries that closes from other threads left for a live thread to take out."""
     with STATE.lock:
-        for ident in [i for i in STATE.pending if i not in alive]:
-            del STATE.pending[ident]  # its stack died with it
-        return sum(len(tokens) for tokens in STATE.pending.values())
+        return sum(1 for left in STATE.pending.values() for e, _ in left
+                   if e.thread() is not None)
 
 
 add_probe("saved-tensor hook entries pending", _pending)

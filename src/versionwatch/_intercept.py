@@ -17,8 +17,10 @@ runs it. Forwards enter through :mod:`_forward`'s route instead.
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -27,8 +29,15 @@ from torch.optim import Optimizer
 
 from versionwatch._active import _LOCAL, ACTIVE, current, thread_stack
 from versionwatch._arguments import read_once
+from versionwatch._compat import (
+    dynamo_forget,
+    in_graph_trace,
+    set_eval_frame,
+    skip_code,
+    warm_dynamo,
+)
 from versionwatch._functorch import in_functorch_transform
-from versionwatch._runtime import Anchor, Change, Entry, Hook, Patch
+from versionwatch._runtime import Anchor, Call, Change, Entry, Hook, Patch
 from versionwatch._sites import site_from
 
 if TYPE_CHECKING:
@@ -45,17 +54,18 @@ def owner(opt: Optimizer) -> tuple[OpenWatcher, OptimizerState] | None:
     local = _LOCAL.__dict__  # busy and stack, read without two getattr calls
     if local.get("busy"):
         return None
-    stack: list[OpenWatcher] | None = local.get("stack")
+    stack: list[weakref.ref[OpenWatcher]] | None = local.get("stack")
     if stack is None:
         stack = thread_stack()
-    if len(stack) == 1:  # one watcher on this thread: no list to build
-        candidates = stack
+    candidates: Sequence[OpenWatcher | None]
+    if len(stack) == 1:  # one watcher on this thread
+        candidates = [stack[0]()]
     elif stack:
-        candidates = stack[::-1]
+        candidates = [r() for r in reversed(stack)]
     else:
         candidates = ACTIVE.items()[::-1]
     for w in candidates:
-        if not w.closed:
+        if w is not None and not w.closed:
             state = w._optimizer(opt)
             if state is not None:
                 return w, state
@@ -67,6 +77,12 @@ def _patched(api: str, first: str, inputs_at: int) -> Patch:
 
     ``first`` is the name of the outputs argument, ``inputs_at`` the position of
     ``inputs`` in the original's signature.
+
+    Invisible to ``torch.compile``, as PyTorch's own ``torch.autograd.backward``
+    is (a file dynamo skips): the stand-in's frame is skipped, a trace that
+    reaches it breaks there as at the original, and dynamo's frame callback is
+    off while our code runs, and back on for the original's call (a user's
+    hook that the backward runs is compiled as in a plain run).
     """
 
     def patched(*args: Any, **kwargs: Any) -> Any:
@@ -75,23 +91,62 @@ def _patched(api: str, first: str, inputs_at: int) -> Patch:
         w = current()
         if w is None:
             return original(*args, **kwargs)
-        outputs = args[0] if args else kwargs.get(first)
-        inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
-        # loss.backward() passes a tensor and no inputs: skip the ABC checks (slow).
-        if (type(outputs) is not torch.Tensor or inputs is not None) and (
-                isinstance(outputs, Iterator) or isinstance(inputs, Iterator)):
-            args, kwargs = read_once(args, kwargs, first, inputs_at)
+        prior = set_eval_frame(None) if set_eval_frame is not None else None
+        try:
             outputs = args[0] if args else kwargs.get(first)
             inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
-        if in_functorch_transform(outputs, inputs):
-            w._step_aside()
-            return original(*args, **kwargs)
-        return w._run_backward(api, outputs, inputs, lambda: original(*args, **kwargs),
-                               (args, kwargs), site_from(sys._getframe(1)))
+            # loss.backward() passes a tensor and no inputs: skip the ABC checks (slow).
+            if (type(outputs) is not torch.Tensor or inputs is not None) and (
+                    isinstance(outputs, Iterator) or isinstance(inputs, Iterator)):
+                args, kwargs = read_once(args, kwargs, first, inputs_at)
+                outputs = args[0] if args else kwargs.get(first)
+                inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
+            if in_functorch_transform(outputs, inputs):
+                w._step_aside()
+                return _resume(prior, original, args, kwargs)
+            if in_graph_trace():  # AOT autograd tracing the backward of a compiled graph
+                return _resume(prior, original, args, kwargs)
+            return w._run_backward(api, outputs, inputs,
+                                   functools.partial(_resume, prior, original, args, kwargs),
+                                   (args, kwargs), site_from(sys._getframe(1)))
+        finally:
+            if set_eval_frame is not None:
+                set_eval_frame(prior)
 
     patched.__name__ = patched.__qualname__ = api
+    # What torch._dynamo.disable marks: a trace that reaches it breaks there.
+    patched._torchdynamo_disable = True  # type: ignore[attr-defined]
     patch = Patch(torch.autograd, api, patched)
     return patch
+
+
+def _resume(prior: Any, fn: Callable[..., Any], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` under dynamo's frame callback ``prior``, as in a plain run."""
+    __tracebackhide__ = True
+    if set_eval_frame is None:
+        return fn(*args, **kwargs)
+    set_eval_frame(prior)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        set_eval_frame(None)
+
+
+def _before_patching() -> None:
+    """Dynamo runs the stand-ins' frames as plain Python (``torch._dynamo.skip``).
+
+    Its tables of torch's functions are built first, if it is imported: with
+    PyTorch's own functions in them, not the stand-ins.
+    """
+    warm_dynamo()
+    if skip_code is not None:
+        skip_code(_BACKWARD.new.__code__)  # the one code of both stand-ins
+
+
+def _after_restoring() -> None:
+    """Tables dynamo built meanwhile (imported while we were in) get PyTorch's functions."""
+    dynamo_forget([(_BACKWARD.new, _BACKWARD.original), (_GRAD.new, _GRAD.original)])
 
 
 # backward(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
@@ -143,7 +198,7 @@ def _changes() -> list[Change]:
     # TorchScript compiles torch.autograd.grad/backward to aten ops found by the
     # identity of the function it sees: ours must map to the same ops.
     table = jit_builtins()
-    return [_BACKWARD, _GRAD, _ZERO_GRAD,
+    return [Call(_before_patching, _after_restoring), _BACKWARD, _GRAD, _ZERO_GRAD,
             Entry(table, id(backward), "aten::backward"), Entry(table, id(grad), "aten::grad"),
             Hook(register_optimizer_step_pre_hook, step_pre),
             Hook(register_optimizer_step_post_hook, step_post)]

@@ -151,8 +151,13 @@ class OptimizerEvents:
                     "pass the modules it optimizes to watch()"
                 )
             return None
+        known = self._optimizers.get(id(opt))
+        if known is not None and known.ref() is opt:
+            return known  # given twice: one optimizer, one label
         cls = type(opt).__name__
-        same = sum(1 for s in self._optimizers.values() if s.label.startswith(cls))
+        # Numbered within its class: an AdamW is no Adam.
+        same = sum(1 for s in self._optimizers.values()
+                   if s.label == cls or s.label.startswith(cls + "["))
         state = OptimizerState(opt, cls if same == 0 else f"{cls}[{same}]")
         self._optimizers[id(opt)] = state
         return state

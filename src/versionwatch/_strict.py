@@ -62,22 +62,24 @@ def attach(owner: StrictOwner) -> Subscription:
 
     Ending it from another thread leaves this thread's hook entry inert:
     PyTorch lets no thread pop another's saved-tensor hooks, so it stays on
-    the owner's stack until its thread next enters versionwatch, and pack
-    there records nothing once no strict watcher is open.
+    the owner's stack until that thread's next contact with versionwatch (a
+    save through it, a push or pop of saved-tensor hooks, a ``torch.func``
+    transform), which takes it out; pack there records nothing once no strict
+    watcher is open.
     """
     held: list[Removable] = [ANCHOR.subscribe()]
     try:
         held.append(OWNERS.add(owner))
         if owner.repairer is not None:
             held.append(REPAIRERS.add(owner.repairer))
-        token = _hookstack.push()
+        entry = _hookstack.push()
     except BaseException:
         remove_all(held)
         raise
 
     def detach() -> None:
         try:
-            _hookstack.pop(token)
+            _hookstack.pop(entry)
         finally:
             end_step()
             THREAD.forward = None

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from versionwatch import _hookstack
 from versionwatch._built import built_at
 from versionwatch._compat import PEEK as _PEEK
 from versionwatch._compat import HookedSaved, allow_in_peek, peek, sequence_nr, storage_address
@@ -135,6 +136,7 @@ _purge_at = _PURGE_MIN
 # Storage key -> weak references of the records saved there.
 RECORDS: dict[int, list[weakref.ref[SavedRecord]]] = {}
 _recording = False  # while strict mode is installed: a hook left behind records nothing
+_LEFT = _hookstack.STATE.pending  # entries left on a thread by a close from another
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -148,6 +150,8 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def pack(t: torch.Tensor) -> SavedRecord:
+    if _LEFT:  # an entry closed from another thread waits: this save may be its thread's contact
+        _hookstack.settle_in_pack()
     if not _recording:  # a hook left on a thread by a close from another: inert
         return SavedRecord(t, None, None)
     local = THREAD
@@ -159,6 +163,7 @@ def pack(t: torch.Tensor) -> SavedRecord:
     # f_back, not _getframe(1): a backward's engine thread may call pack with
     # no Python frame above it.
     frame: FrameType | None = sys._getframe().f_back
+    first = frame
     library = _is_library
     # Above a module call, the answer is the same for every tensor saved inside
     # it (a Sequential of 100 layers): found once per call, kept in ``modules``.
@@ -203,6 +208,8 @@ def pack(t: torch.Tensor) -> SavedRecord:
                 local.lines_old, local.lines = lines, {}
     else:
         rec = SavedRecord(t, stack[-1][0] if stack else None, local.forward)
+    if first is not None and first.f_code is _APPLY_CODE:
+        _custom_output(rec, t)
     key = storage_key(t)
     if key:
         registry = RECORDS
@@ -219,6 +226,24 @@ def pack(t: torch.Tensor) -> SavedRecord:
                 refs[:] = [r for r in refs if r() is not None]
             refs.append(weakref.ref(rec))
     return rec
+
+
+# A custom Function's apply: the Python frame a pack of its saved tensors is called from.
+_APPLY_CODE = getattr(getattr(torch.autograd.Function.apply, "__func__", None), "__code__", None)
+
+
+def _custom_output(rec: SavedRecord, t: torch.Tensor) -> None:
+    """A custom Function saves ``t``: mark it if it is one of that Function's outputs.
+
+    PyTorch names the node that saved its own output in its error, whatever
+    ``t``'s grad_fn is by then; only while it saves can we tell (its grad_fn is
+    the node just made). An output of an earlier node is an input here.
+    """
+    if t.is_leaf or sequence_nr is None:
+        return
+    fn = t.grad_fn
+    if fn is not None and fn._sequence_nr() == sequence_nr() - 1:
+        mark_of(rec).output = t.output_nr
 
 
 # A bounded window per thread: a freed graph's saving lines are needed only
@@ -273,7 +298,7 @@ _DETACHED_ERR = (
 class _Mark:
     """What the rare paths of :func:`unpack` need to know about one record."""
 
-    __slots__ = ("detached", "ref", "user")
+    __slots__ = ("detached", "output", "ref", "user")
 
     def __init__(self, rec: SavedRecord) -> None:
         key = id(rec)
@@ -283,6 +308,7 @@ class _Mark:
 
         self.ref = weakref.ref(rec, forget)
         self.detached = False  # a saved non-leaf, detached in place since
+        self.output: int | None = None  # a custom Function's own output, its output_nr
         # A user's register_hooks on the slot: (what their pack returned, their unpack).
         self.user: tuple[Any, Callable[[Any], Any]] | None = None
 
@@ -296,6 +322,12 @@ def mark_of(rec: SavedRecord) -> _Mark:
     if m is None or m.ref() is not rec:
         m = MARKS[id(rec)] = _Mark(rec)
     return m
+
+
+def output_of(rec: SavedRecord) -> int | None:
+    """The output_nr of ``rec``'s tensor if a custom Function saved it as its own output."""
+    m = MARKS.get(id(rec)) if MARKS else None
+    return m.output if m is not None and m.ref() is rec else None
 
 
 def unpack(rec: SavedRecord) -> torch.Tensor:
@@ -325,7 +357,7 @@ def _stale(rec: SavedRecord) -> None:
     no prediction could see).
     """
     node = torch._C._current_autograd_node()
-    err = RuntimeError(strict_message(rec, node))
+    err = RuntimeError(strict_message(rec, node, output=output_of(rec)))
     err.versionwatch_saved = (  # type: ignore[attr-defined]
         rec, node.name() if node is not None else "(unknown node)")
     raise err

@@ -234,7 +234,9 @@ def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
-        if registry and not local.step_checked:
+        # A checked step's own writes are skipped; one that raised has left its
+        # window, and in_step() finds its frame gone (ending the step).
+        if registry and (not local.step_checked or not in_step()):
             hits = on_write(name, args, kwargs)
             if hits:
                 out = fn(*args, **kwargs)

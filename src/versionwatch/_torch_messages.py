@@ -112,18 +112,31 @@ _TEMPLATES: dict[bool, _Template] = {}
 _LOCK = threading.Lock()
 
 
-def _probe() -> str | None:
+def _probe(dtype: Any = None, device: Any = None) -> str | None:
+    """PyTorch's error for a stale saved tensor, read in a fresh thread.
+
+    By default a float32 output saved by its own node (``ExpBackward0``), for
+    the sentence's words; with ``dtype``, a tensor of that dtype and device
+    saved as an input (``MulBackward0``'s ``other``), for its type's name.
+    """
     import torch
 
     said: list[str] = []
 
     def run() -> None:
         try:
-            a = torch.ones(1, requires_grad=True)
-            b = a.exp()  # ExpBackward0 saves its output
-            with torch.no_grad():
-                b.add_(1)
-            b.grad_fn._saved_result  # type: ignore[union-attr]  # noqa: B018
+            if dtype is None:
+                a = torch.ones(1, requires_grad=True)
+                b = a.exp()  # ExpBackward0 saves its output
+                with torch.no_grad():
+                    b.add_(1)
+                b.grad_fn._saved_result  # type: ignore[union-attr]  # noqa: B018
+            else:
+                w = torch.ones(1, device=device, requires_grad=True)
+                other = torch.ones(1, dtype=dtype, device=device)
+                out = w * other  # MulBackward0 saves `other`
+                torch.autograd.graph.increment_version(other)
+                out.grad_fn._saved_other  # type: ignore[union-attr]  # noqa: B018
         except RuntimeError as e:
             said.append(str(e))
         except Exception:  # any other failure: the fallback's words
@@ -184,8 +197,33 @@ def stale_message(t: torch.Tensor, now: int, saved: int, producer: str | None = 
     if producer is not None and tpl.clause is not None:
         name = producer if tpl.full_names else BACKWARD_SUFFIX.sub("", producer)
         clause = f"{tpl.clause[0]}{output_nr} of {name}{tpl.clause[1]}"
-    return (f"{tpl.head}[{t.type()} {_sizes(t)}]{clause} is at version {now}; "
+    return (f"{tpl.head}[{type_name(t)} {_sizes(t)}]{clause} is at version {now}; "
             f"expected version {saved} instead.{tpl.hint}")
+
+
+# (dtype, device type) -> the type's name in PyTorch's message, as learnt.
+_TYPE_NAMES: dict[tuple[Any, str], str] = {}
+
+
+def type_name(t: torch.Tensor) -> str:
+    """``t``'s type as PyTorch's message prints it (C++'s ``Tensor::toString()``).
+
+    That is ``t.type()`` for the oldest dtypes (``torch.FloatTensor``) and
+    ``CPUComplexFloatType``, ``CPUBFloat16Type``, ``CPUBoolType`` for others:
+    learnt from the running torch once per dtype and device type, as the
+    sentence's template is. A layout other than strided keeps ``t.type()``.
+    """
+    import torch
+
+    if t.layout is not torch.strided or getattr(t, "is_nested", False):
+        return t.type()
+    key = (t.dtype, t.device.type)
+    name = _TYPE_NAMES.get(key)
+    if name is None:
+        said = _probe(t.dtype, t.device)
+        m = SAVED_RE.search(said) if said is not None else None
+        name = _TYPE_NAMES[key] = m.group(1) if m is not None else t.type()
+    return name
 
 
 def _sizes(t: torch.Tensor) -> str:
@@ -238,7 +276,8 @@ def _result_nr(slot: str) -> int | None:
     return 0 if not suffix else int(suffix) if suffix.isdigit() else None
 
 
-def strict_message(rec: Any, node: Any, slot: str | None = None) -> str:
+def strict_message(rec: Any, node: Any, slot: str | None = None,
+                   output: int | None = None) -> str:
     """PyTorch's error for strict mode's record ``rec`` of a tensor that ``node`` saved.
 
     PyTorch names a producer for a saved output (its own node) and for a view
@@ -252,10 +291,14 @@ def strict_message(rec: Any, node: Any, slot: str | None = None) -> str:
         rec: the :class:`~versionwatch._strict.SavedRecord`.
         node: the node that saved it (the one unpacking it), or None.
         slot: the node's slot that holds it, when known (else it is looked for).
+        output: which output of ``node`` it is, when strict mode saw it saved as
+            one (a custom Function's ``save_for_backward`` of its own output).
     """
     t = rec.tensor
     producer, nr = None, 0
-    if node is not None:
+    if node is not None and output is not None:
+        producer, nr = node.name(), output
+    elif node is not None:
         found = _result_nr(slot) if slot is not None else output_slot(node, rec)
         if found is not None:
             producer, nr = node.name(), found

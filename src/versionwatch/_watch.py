@@ -85,7 +85,11 @@ def _check_budget(repair_budget: int | None) -> None:
 
 
 def _check_modules(modules: Mapping[str, nn.Module]) -> None:
-    """Refuse a module given twice, a ScriptModule, and one an open watcher watches."""
+    """Refuse a module given twice, a ScriptModule, and one an explicit open watcher watches.
+
+    A module the automatic watcher (``watch_all``) holds is not refused: it is
+    lent (see :meth:`Watcher._lend`).
+    """
     seen: dict[int, str] = {}
     for name, module in modules.items():
         if id(module) in seen:
@@ -103,7 +107,8 @@ def _check_modules(modules: Mapping[str, nn.Module]) -> None:
                 "it instead of the script (they share their parameters)"
             )
         for other in ACTIVE:
-            if any(r() is module for r in other.roots.values()):
+            if not cast("Watcher", other).lends_roots \
+                    and any(r() is module for r in other.roots.values()):
                 raise ValueError(
                     f"module {name!r} ({type(module).__name__}) is already watched by "
                     "an open watcher; close that one first"
@@ -143,6 +148,9 @@ class Watcher(OptimizerEvents):
     # `versionwatch run --replay`'s strict re-run: the backward number to stop at.
     replay_at: int | None = None
     _stepped_aside = False  # set once a torch.func transform ran unwatched
+    # An automatic watcher (watch_all) lends its roots to an explicit watcher
+    # of the same module for that one's span, instead of refusing it.
+    lends_roots = False
 
     def __init__(
         self,
@@ -176,13 +184,20 @@ class Watcher(OptimizerEvents):
         # patches, its registry entry, strict mode), given back newest first
         # by close(), or by a failed __init__.
         self._held: list[Removable] = []
-        self._thread_stack = cast("list[Watcher]", thread_stack())
+        self._routes: dict[str, list[Removable]] = {}  # each root's forward routes
+        # The automatic watchers that lent this one a module: they keep its reports too.
+        self._lenders: list[weakref.ref[Watcher]] = []
+        # This thread's stack of open watchers holds them weakly (as every
+        # registry of ours): one dropped without close() is collected.
+        self._thread_stack = cast("list[weakref.ref[Watcher]]", thread_stack())
+        self._stack_ref = weakref.ref(self)
         # Saved-tensor hooks are per thread: strict mode records on this one only.
         self.strict_thread = threading.current_thread().name if self.strict else None
         with _LOCK:
             _check_modules(modules)
             try:
                 for name, module in modules.items():
+                    self._borrow(module)
                     self._add_root(name, module)
                 for opt in optimizers:
                     self._add_optimizer(opt, explicit=True)
@@ -193,7 +208,7 @@ class Watcher(OptimizerEvents):
             except BaseException:
                 remove_all(self._held)
                 raise
-        self._thread_stack.append(self)
+        self._thread_stack.append(self._stack_ref)
 
     # -- roots and forwards ----------------------------------------------------------
     def _add_root(self, name: str, module: nn.Module) -> None:
@@ -203,16 +218,39 @@ class Watcher(OptimizerEvents):
         self.forwards[name] = 0
         self.counters[name] = itertools.count(1)
         self._track(name, module)
-        self._held.append(_forward.add_root(module, self, name))
+        self._route(name, module)
         if has_fsdp(module):
             self.sharded.add(name)
+
+    def _route(self, name: str, module: nn.Module) -> None:
+        """Record the forwards of root ``name`` (and of a DDP root's inner module)."""
+        routes = self._routes[name] = [_forward.add_root(module, self, name)]
+        self._held.append(routes[0])
         inner = _distributed.buffer_synced_inner(module)
         if inner is not None:
             # What DDP writes between its forward's start and the wrapped module's
             # call is its buffer broadcast: a mark there names it.
             route = f"{name}\x00sync"
             self.synced[route] = name
-            self._held.append(_forward.add_root(inner, self, route))
+            routes.append(_forward.add_root(inner, self, route))
+            self._held.append(routes[1])
+
+    def _borrow(self, module: nn.Module) -> None:
+        """Take ``module`` from every automatic watcher for this watcher's span."""
+        for other in ACTIVE:
+            lender = cast("Watcher", other)
+            if lender is not self and lender.lends_roots and not lender.closed:
+                self._held.append(lender._lend(module))
+                if not any(r() is lender for r in self._lenders):
+                    self._lenders.append(weakref.ref(lender))
+
+    def _lend(self, module: nn.Module) -> Removable:
+        """Stop watching ``module`` until the returned handle is removed.
+
+        Only an automatic watcher (:attr:`lends_roots`) lends: see
+        :class:`~versionwatch.AutoWatcher`.
+        """
+        raise NotImplementedError
 
     def _track(self, root: str, module: nn.Module) -> None:
         """Watch the tensors of ``module`` not watched yet, named under ``root``.
@@ -391,9 +429,10 @@ class Watcher(OptimizerEvents):
     def _scope(self) -> list[Watcher]:
         """This watcher, then the other open watchers of its thread, innermost first."""
         stack = self._thread_stack
-        if len(stack) == 1 and stack[0] is self:  # the usual case: one watcher
+        if len(stack) == 1 and stack[0] is self._stack_ref:  # the usual case: one watcher
             return [self]
-        return [self, *(w for w in reversed(stack) if w is not self and not w.closed)]
+        return [self, *(w for r in reversed(stack)
+                        if (w := r()) is not None and w is not self and not w.closed)]
 
     # -- explaining and dispatching --------------------------------------------------
     def _explain(self, report: Report, scope: list[Watcher] | None = None) -> Watcher:
@@ -401,7 +440,22 @@ class Watcher(OptimizerEvents):
 
         The owner, the watcher of the first hazard's tensor, keeps the report.
         """
-        return _blame.explain(self, report, scope or [self])
+        owner = _blame.explain(self, report, scope or [self])
+        owner._share(report)
+        return owner
+
+    def _share(self, report: Report) -> None:
+        """Give ``report``, kept by this watcher, to the watchers that lent it a module.
+
+        ``versionwatch run`` and ``pytest --versionwatch`` write their own
+        watcher's reports: a hazard that a program's own watcher found on a
+        model they lent it is one of the run's.
+        """
+        for ref in self._lenders:
+            lender = ref()
+            if lender is not None and not lender.closed \
+                    and not any(r is report for r in lender.reports):
+                lender.reports.append(report)
 
     def _dispatch(self, report: Report) -> None:
         __tracebackhide__ = True
@@ -441,6 +495,7 @@ class Watcher(OptimizerEvents):
             self._end_pending_steps()
         report = Report(hazards=hazards, rank=_distributed.rank())
         self.reports.append(report)
+        self._share(report)
         self._dispatch(report)
 
     # -- public ----------------------------------------------------------------------
@@ -492,8 +547,11 @@ class Watcher(OptimizerEvents):
             # Each one is given back whatever another's removal raised.
             remove_all(self._held)
         finally:
-            if self in self._thread_stack:
-                self._thread_stack.remove(self)
+            stack = self._thread_stack
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i] is self._stack_ref:  # by identity: dead while it is collected
+                    del stack[i]
+                    break
 
     def __enter__(self) -> Watcher:
         return self
