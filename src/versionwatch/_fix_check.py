@@ -24,9 +24,11 @@ program meant: every saved tensor as it was saved).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
+import pickle
 import queue
 import signal
 import subprocess
@@ -40,6 +42,7 @@ from typing import Any
 from versionwatch._fix_edits import Candidate
 from versionwatch._fix_facts import shown
 from versionwatch._fix_source import line_map
+from versionwatch._report import Report
 
 
 @dataclass
@@ -62,9 +65,21 @@ class Run:
     steps: list[dict[str, Any]] = field(default_factory=list)
     stderr: str = ""
     seconds: float = 0.0
+    report_pickle: str | None = None
 
     def record(self, n: int) -> dict[str, Any] | None:
         return next((r for r in self.records if r["n"] == n), None)
+
+    def report_object(self) -> Report | None:
+        """The failure's :class:`~versionwatch.Report`, as the child made it (plain data)."""
+        if not self.report_pickle:
+            return None
+        try:
+            # Our own child wrote it, for this process: trusted as the program is.
+            report = pickle.loads(base64.b64decode(self.report_pickle))
+        except Exception:
+            return None
+        return report if isinstance(report, Report) else None
 
 
 def _environment() -> dict[str, str]:

@@ -25,12 +25,15 @@ variable): the same names in the original and a patched run.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
 import os
+import pickle
 import runpy
 import sys
 import threading
@@ -183,6 +186,30 @@ class Tracker:
         register_optimizer_step_pre_hook(self._step_pre)
         register_optimizer_step_post_hook(self._step_post)
 
+    def install_checks(self) -> None:
+        """A ``check()`` or ``assert_backward_safe()`` that finds a hazard is the failure.
+
+        The program asks before its backward (``examples/seed_story.py`` does, and
+        catches the error): the backward it asked about is the one that fails,
+        whether or not the program goes on to run it. ``assert_backward_safe``
+        calls ``check`` through its module's global, so one wrapper sees both.
+        """
+        import versionwatch
+        from versionwatch import _predict
+
+        inner = _predict.check
+
+        @functools.wraps(inner)
+        def check(*args: Any, **kwargs: Any) -> Any:
+            report = inner(*args, **kwargs)
+            if not report.ok and not getattr(self.local, "depth", 0):
+                self.predicted(report, sys._getframe(1))
+            return report
+
+        _predict.check = check
+        versionwatch.check = check  # the lazy attribute, set before the program reads it
+        versionwatch.assert_backward_safe = _predict.assert_backward_safe
+
     def _label(self, opt: torch.optim.Optimizer) -> str:
         label = self.labels.get(id(opt))
         if label is None:
@@ -308,6 +335,19 @@ class Tracker:
         return sorted(reach), [[k, v] for k, v in sorted(stale.items())]
 
     # -- the end -----------------------------------------------------------------
+    def predicted(self, report: Any, frame: FrameType | None) -> NoReturn:
+        """A hazard found before any backward ran (``check()``, or a watcher at a write):
+        the failure of the next backward, at the line that found it."""
+        from versionwatch._predict import raise_for
+
+        k = self.n + 1
+        self.records.append({"n": k, "site": self._site(_user_frame(frame)), "before": True})
+        try:
+            raise_for(report)
+        except Exception as e:
+            self.fail(k, e)
+        raise AssertionError("raise_for raised nothing for a report with hazards")
+
     def fail(self, k: int, err: BaseException) -> NoReturn:
         from versionwatch._errors import FreedGraphError, InplaceModificationError
 
@@ -323,6 +363,10 @@ class Tracker:
                            "tensor": h.tensor or h.describe_tensor()}
             r["report"] = report.to_dict()
             r["text"] = str(report)
+            try:  # the report itself, for FixResult.report (plain data: it pickles)
+                r["report_pickle"] = base64.b64encode(pickle.dumps(report)).decode("ascii")
+            except Exception as e:  # the dict above stands without it
+                r["report_pickle_error"] = repr(e)
             try:
                 r["facts"] = from_report(report).to_dict()
             except Exception as e:  # facts are a help; the record stands without them
@@ -337,7 +381,21 @@ class Tracker:
         self.finish(r["status"], 1)
 
     def error(self, err: BaseException) -> NoReturn:
+        from versionwatch._errors import FreedGraphError, InplaceModificationError
+
         tb = traceback.extract_tb(err.__traceback__)
+        if isinstance(err, (InplaceModificationError, FreedGraphError)) and getattr(
+                err, "report", None) is not None:
+            # Raised outside any backward (a watcher at a write, a check the program
+            # made): the hazard of the next backward, at the program's line.
+            user = [fr for fr in tb if not fr.filename.startswith(_SKIP)]
+            site = None
+            if user:
+                name = user[-1].filename
+                site = [self.back.get(name, name), user[-1].lineno, name in self.back]
+            k = self.n + 1
+            self.records.append({"n": k, "site": site, "before": True})
+            self.fail(k, err)
         site = None
         for fr in reversed(tb):
             if not fr.filename.startswith(_SKIP):
@@ -412,6 +470,8 @@ def main(argv: Sequence[str]) -> int:
         watcher = versionwatch.watch_all(on_hazard="raise", strict=spec.get("watch") == "strict")
     tracker = Tracker(spec, scratch)
     tracker.install()  # after the watcher's own wrappers: it sees every backward first
+    if watcher is not None:
+        tracker.install_checks()
     context: Any = contextlib.nullcontext()
     if spec.get("allow_mutation"):
         context = torch.autograd.graph.allow_mutation_on_saved_tensors()

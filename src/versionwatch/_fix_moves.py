@@ -1,0 +1,236 @@
+"""``versionwatch fix``'s families that move or merge statements: a step, a ``no_grad`` update.
+
+- ``move_step``: the optimizer step (and its ``zero_grad``) after the last
+  backward of the forward, or merged into a step of the same optimizer there;
+- ``sum_losses``: one backward of the summed losses, then the step;
+- ``refresh``: the forward again after the step, where the second loss reads it;
+- ``set_to_none``: ``zero_grad(set_to_none=True)``, which only hides the
+  failure (rejected by rule);
+- ``move_update``: a ``torch.no_grad()`` update (EMA swap, clipping) after the step.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from versionwatch._fix_ast import (
+    COMPOUND,
+    Candidate,
+    Sources,
+    backward_call,
+    callee,
+    calls,
+    candidate,
+    function_stmts,
+    insert_after,
+    is_true,
+    method_stmt,
+    remove,
+    stmt_with,
+)
+from versionwatch._fix_facts import FixFacts
+from versionwatch._fix_source import Edit, Source
+
+
+def step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
+    src = sources.at(facts.step)
+    if (src is None or facts.step is None or facts.failing_backward is None
+            or facts.failing_backward.file != facts.step.file):
+        return []
+
+    def is_step(s: ast.stmt) -> bool:
+        return any(callee(c) == "step" for c in calls(s))
+
+    s_stmt = stmt_with(src, facts.step.line, is_step)
+    b_stmt = stmt_with(src, facts.failing_backward.line, lambda s: backward_call(s) is not None)
+    if s_stmt is None or b_stmt is None:
+        return []
+    step_call = next(c for c in calls(s_stmt) if callee(c) == "step")
+    if not isinstance(step_call.func, ast.Attribute):
+        return []
+    receiver = src.segment(step_call.func.value)
+    common = src.common_block(s_stmt, b_stmt)
+    if common is None or common[1] >= common[2]:
+        return []
+    body, i_s, i_b = common
+    step, last = body[i_s], body[i_b]
+    zeros = [body[j] for j in range(i_s + 1, i_b)
+             if method_stmt(body[j], "zero_grad", receiver, src)]
+    later = None
+    for j in range(i_b + 1, len(body)):
+        if backward_call(body[j]) is not None:
+            break
+        if method_stmt(body[j], "step", receiver, src):
+            later = body[j]
+            break
+    backward_text = src.segment(backward_call(last) or last)
+    try:
+        moves = [remove(src, s) for s in (step, *zeros)]
+        if later is None:
+            moves.append(insert_after(src, last, [step, *zeros]))
+    except ValueError:
+        return []
+    out = []
+    if later is not None:
+        summary = (f"one `{receiver}.step()` after both backwards: the step (and zero_grad) "
+                   f"between them is gone, so `{backward_text}` runs on the weights its forward "
+                   "used and the step applies the gradients of both losses (as one backward of "
+                   "their sum would)")
+    else:
+        summary = (f"`{receiver}.step()` moves after `{backward_text}`: every backward runs on "
+                   "the weights its forward used")
+    out += _refresh(facts, src, body, i_s, i_b, receiver, backward_text)
+    cand = candidate("move_step", summary, src, moves)
+    if cand is not None:
+        cand.extra["merged"] = later is not None
+        out.append(cand)
+    # One backward of the summed losses.
+    first_stmt = None
+    for j in range(i_s - 1, -1, -1):
+        if backward_call(body[j]) is not None:
+            first_stmt = body[j]
+            break
+    if first_stmt is not None:
+        for c in _sum_losses(src, first_stmt, last, body, moves):
+            c.extra["merged"] = later is not None
+            out.append(c)
+    # The hider: zero_grad(set_to_none=True).
+    edits = []
+    for call in calls(src.function(step)):
+        if not (callee(call) == "zero_grad" and isinstance(call.func, ast.Attribute)
+                and src.segment(call.func.value) == receiver):
+            continue
+        for k in call.keywords:
+            if k.arg == "set_to_none" and not is_true(k.value):
+                edits.append(Edit(src.start(k.value), src.end(k.value), "True"))
+        if call.args and not is_true(call.args[0]):
+            edits.append(Edit(src.start(call.args[0]), src.end(call.args[0]), "True"))
+    if edits:
+        cand = candidate(
+            "set_to_none", f"`{receiver}.zero_grad(set_to_none=True)`",
+            src, edits, hides=(
+                "set_to_none=True only hides the failure: the step then skips parameters "
+                "whose .grad is None, and the second backward still runs through the "
+                "forward made before the step, with gradients for weights that changed"))
+        if cand is not None:
+            out.append(cand)
+    return out
+
+
+def _refresh(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: int, i_b: int,
+             receiver: str, backward_text: str) -> list[Candidate]:
+    """Re-run the forward after the step: ``bce(d_fake, ones)`` -> ``bce(D(fake), ones)``."""
+    saved = facts.saved_at
+    if saved is None or saved.file != src.path or saved.line >= body[i_s].lineno:
+        return []
+    made = stmt_with(src, saved.line, lambda s: isinstance(s, ast.Assign))
+    if not (isinstance(made, ast.Assign) and len(made.targets) == 1
+            and isinstance(made.targets[0], ast.Name) and isinstance(made.value, ast.Call)):
+        return []
+    # Only a forward of plain values: re-running `model(torch.randn(...))` would draw new data.
+    if not all(isinstance(a, (ast.Name, ast.Attribute, ast.Constant))
+               for a in [*made.value.args, *(k.value for k in made.value.keywords)]):
+        return []
+    name, expr = made.targets[0].id, src.segment(made.value)
+    edits = []
+    for stmt in body[i_s + 1:i_b + 1]:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and node.id == name:
+                if not isinstance(node.ctx, ast.Load):
+                    return []
+                edits.append(Edit(src.start(node), src.end(node), expr))
+    if not edits:
+        return []
+    cand = candidate(
+        "refresh", f"`{expr}` again after `{receiver}.step()`: `{backward_text}` runs through "
+        "a new forward on the weights the step changed, not through the one made before it",
+        src, edits)
+    return [cand] if cand is not None else []
+
+
+def _sum_losses(src: Source, first: ast.stmt, last: ast.stmt, body: list[ast.stmt],
+                moves: list[Edit]) -> list[Candidate]:
+    def loss_of(stmt: ast.stmt) -> ast.expr | None:
+        if (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+                and isinstance(stmt.value.func, ast.Attribute)
+                and stmt.value.func.attr == "backward"):
+            return stmt.value.func.value
+        return None
+
+    a, b = loss_of(first), loss_of(last)
+    if a is None or b is None:
+        return []
+    i1, i2 = body.index(first), body.index(last)
+    names = {n.id for n in ast.walk(a) if isinstance(n, ast.Name)}
+    rebound = {n.id for s in body[i1 + 1:i2] for n in ast.walk(s)
+               if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    if names & rebound:
+        return []
+    a_text, b_text = src.segment(a), src.segment(b)
+    try:
+        edits = [remove(src, first), *moves,
+                 Edit(src.start(b), src.end(b), f"({a_text} + {b_text})")]
+    except ValueError:
+        return []
+    cand = candidate(
+        "sum_losses", f"one backward of `{a_text} + {b_text}`, then the step: the same "
+        "gradients as the two backwards, on the weights the forward used", src, edits,
+        same_backwards=False)
+    return [cand] if cand is not None else []
+
+
+def move_update(facts: FixFacts, sources: Sources) -> list[Candidate]:
+    fb = facts.failing_backward
+    if not facts.update or fb is None:
+        return []
+    src = sources.at(fb)
+    if src is None:
+        return []
+    b_stmt = stmt_with(src, fb.line, lambda s: backward_call(s) is not None)
+    if b_stmt is None:
+        return []
+    for line in facts.update:
+        if line.file != fb.file:
+            continue
+        stmts = src.statements_at(line.line)
+        if not stmts:
+            continue
+        u_stmt: ast.stmt | None = stmts[0]
+        helper = src.function(stmts[0])
+        if helper is not src.function(b_stmt):
+            # The write is in a helper the loop calls: move the call.
+            u_stmt = None
+            if isinstance(helper, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for stmt in function_stmts(src, b_stmt, 0, b_stmt.lineno - 1):
+                    if any(callee(c) == helper.name for c in calls(stmt)):
+                        u_stmt = stmt
+        if u_stmt is None:
+            continue
+        common = src.common_block(u_stmt, b_stmt)
+        if common is None or common[1] >= common[2]:
+            continue
+        body, i_u, i_b = common
+        anchor = body[i_b]
+        for j in range(i_b + 1, len(body)):
+            if backward_call(body[j]) is not None:
+                break
+            if any(callee(c) == "step" for c in calls(body[j])):
+                anchor = body[j]
+                break
+        try:
+            edits = [remove(src, body[i_u]), insert_after(src, anchor, [body[i_u]])]
+        except ValueError:
+            continue
+        after = src.segment(backward_call(anchor) or next(calls(anchor), anchor))
+        moved = body[i_u]
+        head = src.line_text(moved.lineno).strip()
+        what = (f"the `{head}` block (line {moved.lineno})" if isinstance(moved, COMPOUND)
+                else f"`{src.segment(moved)}` (line {moved.lineno})")
+        cand = candidate(
+            "move_update", f"{what} moves after `{after}`: the "
+            "backward runs on the weights its forward used, and the update still happens "
+            "once an iteration", src, edits)
+        return [cand] if cand is not None else []
+    return []
+
+
