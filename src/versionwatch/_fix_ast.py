@@ -311,3 +311,36 @@ def function_stmts(src: Source, anchor: ast.stmt, lo: int, hi: int) -> list[ast.
     return sorted(out, key=lambda s: (s.lineno, s.col_offset))
 
 
+
+
+def backward_after(src: Source, line: int) -> ast.stmt | None:
+    """The backward a ``check()``/``assert_backward_safe()`` at ``line`` asked about.
+
+    The first statement after it, in its own block or an enclosing one (the
+    check may sit in ``if predict:``), that calls a backward; one whose loss is
+    the check's first argument wins over an earlier one that is not.
+    """
+    stmts = src.statements_at(line)
+    if not stmts:
+        return None
+    asked = None
+    for call in calls(stmts[0]):
+        if callee(call) in ("check", "assert_backward_safe") and call.args:
+            asked = src.segment(call.args[0])
+            break
+    for level in src.chain(stmts[0]):
+        place = src.block(level)
+        if place is None:
+            continue
+        body, i = place
+        found = [s for s in body[i + 1:] if not isinstance(s, COMPOUND)
+                 and backward_call(s) is not None]
+        if not found:
+            continue
+        for s in found:
+            back = backward_call(s)
+            if (asked is not None and back is not None and isinstance(back.func, ast.Attribute)
+                    and src.segment(back.func.value) == asked):
+                return s
+        return found[0]
+    return None

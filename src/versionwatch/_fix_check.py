@@ -99,6 +99,16 @@ class ForkServer:
     fraction of the start-up. A run takes the working directory of the call
     that asked for it, and the environment the server started with. Used where
     ``os.fork`` exists; :func:`run_child` starts a whole process without it.
+
+    Why a fork is safe here: the server runs one Python thread and no torch op,
+    so torch's intra-op and inter-op pools (OpenMP) are not started and CUDA is
+    not initialized; the one other thread, numpy's OpenBLAS server, is stopped
+    around a fork by OpenBLAS itself. The server checks the first two before
+    every fork and refuses otherwise (the run then starts a new interpreter).
+    What a fork cannot give is what a program sets up *before* it imports
+    torch: environment variables read when torch loads (``OMP_NUM_THREADS``,
+    ``TORCH_LOGS``, ...) set by the program itself take no effect, as torch is
+    loaded already; ``versionwatch fix --fresh`` runs each in a new interpreter.
     """
 
     def __init__(self) -> None:
@@ -124,8 +134,8 @@ class ForkServer:
             for q in self.answers.values():
                 q.put({"exit": -1, "gone": True})
 
-    def run(self, spec: str, err: str, timeout: float) -> tuple[int, bool]:
-        """Run ``spec``; its exit status, and whether it timed out."""
+    def run(self, spec: str, err: str, timeout: float) -> tuple[int, bool] | None:
+        """Run ``spec``; its exit status, and whether it timed out (``None``: refused)."""
         q: queue.Queue[dict[str, Any]] = queue.Queue()
         with self.lock:
             self.next_id += 1
@@ -152,6 +162,8 @@ class ForkServer:
                     pid = message["pid"]
                     if timed_out:
                         _kill(pid)
+                elif "refused" in message:
+                    return None
                 elif "exit" in message:
                     return int(message["exit"]), timed_out
         finally:
@@ -192,8 +204,9 @@ def run_child(program: list[str], *, scratch: dict[str, str] | None = None,
                        "grads_at": list(grads_at), "out": out, "cwd": os.getcwd()}, f)
         err_path = spec_path[:-5] + ".err"
         start = time.monotonic()
-        if server is not None:
-            code, timed_out = server.run(spec_path, err_path, timeout)
+        answer = server.run(spec_path, err_path, timeout) if server is not None else None
+        if answer is not None:
+            code, timed_out = answer
         else:
             with open(err_path, "wb") as err:
                 proc = subprocess.Popen(

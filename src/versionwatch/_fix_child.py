@@ -500,6 +500,22 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
+def _fork_unsafe() -> str | None:
+    """Why a fork of this server would not be what a new interpreter is, or ``None``.
+
+    The server has imported torch (which imports numpy, whose OpenBLAS starts a
+    thread: OpenBLAS stops it around a fork itself) and run no op of its own, so
+    torch's thread pools do not exist yet and CUDA is not initialized; a fork
+    is then a new interpreter after its imports. Checked before every fork, in
+    case an import changed that.
+    """
+    if threading.active_count() != 1:
+        return "the server runs Python threads"
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return "CUDA is initialized in the server"
+    return None
+
+
 def serve() -> int:
     """Fork a run for each request on stdin: torch is imported once, not once a run.
 
@@ -540,6 +556,10 @@ def serve() -> int:
             while b"\n" in buffer:
                 line, buffer = buffer.split(b"\n", 1)
                 request = json.loads(line)
+                unsafe = _fork_unsafe()
+                if unsafe is not None:  # the caller starts a new interpreter instead
+                    say({"id": request["id"], "refused": unsafe})
+                    continue
                 pid = os.fork()
                 if pid == 0:  # the run
                     code = 70
