@@ -344,3 +344,20 @@ def backward_after(src: Source, line: int) -> ast.stmt | None:
                 return s
         return found[0]
     return None
+
+
+def retain_edit(src: Source, call: ast.Call) -> Edit | None:
+    """``retain_graph=True`` in backward ``call`` (``None``: it has it already)."""
+    for k in call.keywords:
+        if k.arg == "retain_graph":
+            if is_true(k.value):
+                return None
+            return Edit(src.start(k.value), src.end(k.value), "True")
+    close = src.end(call)
+    close = (close[0], close[1] - 1)  # the ")"
+    toks = list(src.tokens_between(src.start(call), close))
+    last_tok = toks[-1] if toks else None
+    if last_tok is not None and last_tok.string == ",":  # keep the trailing comma
+        return Edit(last_tok.end, last_tok.end, " retain_graph=True,")
+    sep = "" if last_tok is None or last_tok.string == "(" else ", "
+    return Edit(close, close, f"{sep}retain_graph=True")

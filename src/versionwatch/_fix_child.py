@@ -46,6 +46,8 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from versionwatch._compat import is_compiling
+
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OUR_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _SKIP = (_TORCH_DIR, _OUR_DIR, os.path.dirname(os.path.abspath(contextlib.__file__))
@@ -237,7 +239,9 @@ class Tracker:
 
     def _wrap(self, inner: Any, at: int, first: str, inputs_at: int) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if getattr(self.local, "depth", 0):  # a backward inside a backward
+            # A backward inside a backward, or torch.compile tracing one (AOTAutograd's
+            # joint graph, on fake tensors): none of the program's own backwards.
+            if getattr(self.local, "depth", 0) or is_compiling():
                 return inner(*args, **kwargs)
             roots = args[at] if len(args) > at else kwargs.get(first)
             if roots is not None and not isinstance(roots, (torch.Tensor, list, tuple)):

@@ -284,7 +284,11 @@ def propose(facts: FixFacts, sources: Sources | None = None,
         if facts.between == "nothing":
             out += retain + carried
         else:
-            out += carried + retain
+            # A step between two losses of one output: sum them, or keep the graph
+            # and move the step. Not for a tensor fed to another network's forward
+            # (a GAN's `fake`): its step must not see the second loss.
+            steps = step_families(facts, sources) if facts.carried_use != "forward" else []
+            out += carried + steps + retain
     else:
         out += _out_of_place(facts, sources)
         if not any(c.family == "out_of_place" for c in out):

@@ -208,18 +208,38 @@ def _line(site: Site | None) -> Line | None:
     return Line(file if file.startswith("<") else os.path.abspath(file), site.line, site.code)
 
 
+def _sites(m: Any) -> list[Line]:
+    """A modification's user lines, outermost first: its full stack where the report has
+    one (a ``no_grad`` update in a helper: the call in the loop, then the write), else
+    its own line."""
+    lines = [_line(s) for s in getattr(m, "stack", None) or () if isinstance(s, Site)]
+    own = _line(m.site)
+    found = [ln for ln in lines if ln is not None]
+    if own is not None and own not in found:
+        found.append(own)
+    return found
+
+
 def from_report(report: Report, hazard: Hazard | None = None) -> FixFacts:
     """The facts a watcher's report gives about ``hazard`` (default: the first).
 
     Call it in the process that made the report, in the working directory the
     program had: a :class:`~versionwatch.Site` shows its file relative to it.
+    Facts a report of this release may lack (the carrier, what ran between two
+    backwards, where a module was built) are read when present; the engine
+    derives what it can from the source otherwise.
     """
     h = hazard if hazard is not None else report.hazards[0]
     named = bool(h.tensor)
-    write = op = step = None
+    write = op = step = built = None
+    built_class = None
     update: list[Line] = []
     for m in h.modified_by:
         site = _line(m.site)
+        writer = getattr(m, "writer", None)
+        if writer is not None and getattr(writer, "built_at", None) is not None and built is None:
+            built = _line(writer.built_at)
+            built_class = (getattr(writer, "text", "") or "").split("(", 1)[0] or None
         if m.kind == "optimizer.step" and step is None:
             step = site
         elif m.kind == "inplace_op" and site is not None:
@@ -227,11 +247,27 @@ def from_report(report: Report, hazard: Hazard | None = None) -> FixFacts:
             if "step()" in m.description and step is None:
                 step = site  # strict mode records a step's writes as the step
             elif named:
-                update.append(site)
+                update.extend(_sites(m))
             elif write is None:
                 write = site
                 op = match.group(1) if match else None
     freed_by = h.freed_by.site if h.freed_by is not None else None
+    carried = h.carried_by or None
+    made = use = between = None
+    carrier = getattr(h, "carrier", None)
+    if carrier is not None:
+        carried = carried or getattr(carrier, "name", "") or None
+        made = _line(getattr(carrier, "site", None))
+        role = getattr(carrier, "role", None)
+        use = {"data": "data", "state": "forward", "input": "forward"}.get(role or "")
+    gap = getattr(h, "between", None)
+    if gap is not None:
+        events = list(getattr(gap, "events", ()) or ())
+        steps = [e for e in events if e.kind == "optimizer.step"
+                 or (e.kind == "inplace_op" and "step()" in e.description)]
+        between = "step" if steps else ("write" if events else "nothing")
+        if step is None and steps:
+            step = _line(steps[0].site)
     return FixFacts(
         kind=h.kind,
         tensor=h.tensor if named else None,
@@ -242,7 +278,12 @@ def from_report(report: Report, hazard: Hazard | None = None) -> FixFacts:
         saved_at=_line(h.saved_at),
         write=write,
         write_op=op,
+        module_built=built,
+        module_class=built_class,
         step=step,
         update=tuple(dict.fromkeys(update)),
-        carried=h.carried_by or None,
+        carried=carried,
+        carried_made=made,
+        carried_use=use,  # type: ignore[arg-type]
+        between=between,  # type: ignore[arg-type]
     )

@@ -25,7 +25,7 @@ from versionwatch._fix_ast import (
     candidate,
     fed_to_forward,
     function_stmts,
-    is_true,
+    retain_edit,
     stmt_with,
 )
 from versionwatch._fix_facts import FixFacts, Line
@@ -40,22 +40,9 @@ def retain_graph(facts: FixFacts, sources: Sources) -> list[Candidate]:
     call = backward_call(stmt) if stmt is not None else None
     if call is None:
         return []
-    for k in call.keywords:
-        if k.arg == "retain_graph":
-            if is_true(k.value):
-                return []
-            edit = Edit(src.start(k.value), src.end(k.value), "True")
-            break
-    else:
-        close = src.end(call)
-        close = (close[0], close[1] - 1)  # the ")"
-        toks = list(src.tokens_between(src.start(call), close))
-        last_tok = toks[-1] if toks else None
-        if last_tok is not None and last_tok.string == ",":  # keep the trailing comma
-            edit = Edit(last_tok.end, last_tok.end, " retain_graph=True,")
-        else:
-            sep = "" if last_tok is None or last_tok.string == "(" else ", "
-            edit = Edit(close, close, f"{sep}retain_graph=True")
+    edit = retain_edit(src, call)
+    if edit is None:
+        return []
     same = facts.failing_backward is not None and facts.failing_backward == facts.first_backward
     text = " ".join(src.segment(call).split())
     summary = (f"`retain_graph=True` on `{text}`: its graph stays for the next backward "
@@ -149,8 +136,14 @@ def complete(facts: FixFacts, sources: Sources) -> FixFacts:
     """``facts`` with what the source tells filled in where the watcher gave nothing.
 
     The carried tensor's making line (the last assignment to it before the
-    first backward) and its use (fed to a forward, or used as data).
+    first backward) and its use (fed to a forward, or used as data); and the
+    carried tensor itself, where the watcher named none, when the op that
+    saved the freed tensor is an assignment to one name that the failing
+    backward's function reads again later (``hidden = cell(x, hidden)``,
+    ``advantages = returns - critic(obs)`` before the loop).
     """
+    if facts.kind == "freed" and not facts.carried:
+        facts = replace(facts, carried=_carried_by_source(facts, sources))
     if facts.kind != "freed" or not facts.carried or facts.failing_backward is None:
         return facts
     src = sources.at(facts.failing_backward)
@@ -184,3 +177,24 @@ def complete(facts: FixFacts, sources: Sources) -> FixFacts:
     return replace(facts, carried_made=made_line, carried_use=use)
 
 
+
+
+def _carried_by_source(facts: FixFacts, sources: Sources) -> str | None:
+    saved, fb = facts.saved_at, facts.failing_backward
+    src = sources.at(saved)
+    if src is None or saved is None or fb is None or fb.file != saved.file:
+        return None
+    made = stmt_with(src, saved.line, lambda s: isinstance(s, ast.Assign))
+    fail = stmt_with(src, fb.line, lambda s: backward_call(s) is not None)
+    if not (isinstance(made, ast.Assign) and len(made.targets) == 1
+            and isinstance(made.targets[0], ast.Name)) or fail is None:
+        return None
+    if src.function(made) is not src.function(fail):
+        return None
+    name = made.targets[0].id
+    # Read after it was made (in the loop, or by the failing backward's loss).
+    later = function_stmts(src, fail, made.lineno - 1, fail.end_lineno or fail.lineno)
+    reads = [n for st in later if st is not made for n in ast.walk(st)
+             if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
+    own = [n for n in ast.walk(made.value) if isinstance(n, ast.Name) and n.id == name]
+    return name if reads or own else None

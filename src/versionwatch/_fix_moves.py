@@ -26,6 +26,7 @@ from versionwatch._fix_ast import (
     is_true,
     method_stmt,
     remove,
+    retain_edit,
     stmt_with,
 )
 from versionwatch._fix_facts import FixFacts
@@ -80,16 +81,27 @@ def step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
         summary = (f"`{receiver}.step()` moves after `{backward_text}`: every backward runs on "
                    "the weights its forward used")
     out += _refresh(facts, src, body, i_s, i_b, receiver, backward_text)
-    cand = candidate("move_step", summary, src, moves)
-    if cand is not None:
-        cand.extra["merged"] = later is not None
-        out.append(cand)
-    # One backward of the summed losses.
     first_stmt = None
     for j in range(i_s - 1, -1, -1):
         if backward_call(body[j]) is not None:
             first_stmt = body[j]
             break
+    retain: list[Edit] = []
+    if facts.kind == "freed":
+        # The first backward freed the graph: moving the step is not enough.
+        first_call = backward_call(first_stmt) if first_stmt is not None else None
+        keep = retain_edit(src, first_call) if first_call is not None else None
+        if keep is None or first_call is None:
+            moves = []
+        else:
+            retain = [keep]
+            summary += (f", and `retain_graph=True` on `{src.segment(first_call)}` keeps "
+                        "its graph for the second")
+    cand = candidate("move_step", summary, src, moves + retain) if moves else None
+    if cand is not None:
+        cand.extra["merged"] = later is not None
+        out.append(cand)
+    # One backward of the summed losses.
     if first_stmt is not None:
         for c in _sum_losses(src, first_stmt, last, body, moves):
             c.extra["merged"] = later is not None
