@@ -22,6 +22,8 @@ from versionwatch._fix_ast import (
     arg_uses,
     atomic,
     backward_call,
+    callee,
+    calls,
     candidate,
     fed_to_forward,
     function_stmts,
@@ -144,6 +146,8 @@ def complete(facts: FixFacts, sources: Sources) -> FixFacts:
     """
     if facts.kind == "freed" and not facts.carried:
         facts = replace(facts, carried=_carried_by_source(facts, sources))
+    if facts.kind == "freed" and facts.between is None:
+        facts = _between_by_source(facts, sources)
     if facts.kind != "freed" or not facts.carried or facts.failing_backward is None:
         return facts
     src = sources.at(facts.failing_backward)
@@ -198,3 +202,27 @@ def _carried_by_source(facts: FixFacts, sources: Sources) -> str | None:
              if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
     own = [n for n in ast.walk(made.value) if isinstance(n, ast.Name) and n.id == name]
     return name if reads or own else None
+
+
+def _between_by_source(facts: FixFacts, sources: Sources) -> FixFacts:
+    """What stands between the freeing backward and the failing one, in one block:
+    an optimizer step (``facts.step``), other statements, or nothing."""
+    first, fb = facts.first_backward, facts.failing_backward
+    src = sources.at(fb)
+    if src is None or first is None or fb is None or first.file != fb.file \
+            or first.line >= fb.line:
+        return facts
+    a = stmt_with(src, first.line, lambda s: backward_call(s) is not None)
+    b = stmt_with(src, fb.line, lambda s: backward_call(s) is not None)
+    common = src.common_block(a, b) if a is not None and b is not None else None
+    if common is None or common[1] >= common[2]:
+        return facts
+    body, i_a, i_b = common
+    between = body[i_a + 1:i_b]
+    steps = [s for s in between
+             if any(callee(c) == "step" and isinstance(c.func, ast.Attribute) for c in calls(s))]
+    if steps:
+        step = facts.step or Line(src.path, steps[0].lineno,
+                                  src.line_text(steps[0].lineno).strip())
+        return replace(facts, between="step", step=step)
+    return replace(facts, between="write" if between else "nothing")

@@ -80,7 +80,12 @@ def step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
     else:
         summary = (f"`{receiver}.step()` moves after `{backward_text}`: every backward runs on "
                    "the weights its forward used")
-    out += _refresh(facts, src, body, i_s, i_b, receiver, backward_text)
+    # The forward again after the step: first when the step is another network's
+    # (a GAN's opt_d between D's loss and G's); after the merges when the same
+    # optimizer steps again after the last backward (two losses of one model).
+    refresh = _refresh(facts, src, body, i_s, i_b, receiver, backward_text)
+    if later is None:
+        out += refresh
     first_stmt = None
     for j in range(i_s - 1, -1, -1):
         if backward_call(body[j]) is not None:
@@ -106,6 +111,8 @@ def step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
         for c in _sum_losses(src, first_stmt, last, body, moves):
             c.extra["merged"] = later is not None
             out.append(c)
+    if later is not None:
+        out += refresh
     # The hider: zero_grad(set_to_none=True).
     edits = []
     for call in calls(src.function(step)):
