@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from dataclasses import replace
 
 from versionwatch._fix_ast import (
     Candidate,
@@ -97,6 +98,60 @@ def _twin(method: str) -> str | None:
 
 
 def _out_of_place(facts: FixFacts, sources: Sources) -> list[Candidate]:
+    found = _out_of_place_line(facts, sources)
+    if not found:
+        return found
+    return found + _every_write(facts, sources, found[0])
+
+
+def _every_write(facts: FixFacts, sources: Sources, first: Candidate) -> list[Candidate]:
+    """``first``'s edit made at every in-place write to its variable in its function.
+
+    A pre-norm block writes ``x += f(norm(x))`` twice: each norm saved the ``x``
+    the next write changes, and fixing the line the watcher named leaves the
+    other one failing the same way.
+    """
+    src = sources.at(facts.write)
+    target = first.extra.get("target")
+    if src is None or facts.write is None or not target:
+        return []
+    stmts = src.statements_at(facts.write.line)
+    if not stmts:
+        return []
+    func = src.function(stmts[0])
+    others = []
+    for node in ast.walk(func):
+        if not isinstance(node, ast.stmt) or src.function(node) is not func \
+                or node.lineno == facts.write.line:
+            continue
+        if isinstance(node, ast.AugAssign) and dotted(node.target) == target:
+            others.append(node.lineno)
+        elif (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+              and isinstance(node.value.func, ast.Attribute)
+              and dotted(node.value.func.value) == target and _twin(node.value.func.attr)):
+            others.append(node.lineno)
+    if not others:
+        return []
+    text = first.files[src.path][1]
+    for line in sorted(others):
+        # Each edit keeps the line count, so the other lines stay where they were.
+        step = Sources({src.path: text})
+        more = _out_of_place_line(replace(facts, write=Line(src.path, line), write_op=None), step)
+        more = [c for c in more if c.extra.get("target") == target
+                and c.files[src.path][1].count("\n") == text.count("\n")]
+        if not more:
+            return []
+        text = more[0].files[src.path][1]
+    lines = ", ".join(str(n) for n in sorted([facts.write.line, *others]))
+    where = getattr(func, "name", "the module")
+    summary = (f"the out-of-place form at every in-place write to `{target}` in `{where}` "
+               f"(lines {lines}): each one changed what an op before it saved; the values "
+               "stay the same")
+    return [Candidate("out_of_place", summary, {src.path: (src.text, text)}, keeps_values=True,
+                      extra={"target": target})]
+
+
+def _out_of_place_line(facts: FixFacts, sources: Sources) -> list[Candidate]:
     src = sources.at(facts.write)
     if src is None or facts.write is None or facts.tensor is not None:
         return []
@@ -123,7 +178,7 @@ def _out_of_place(facts: FixFacts, sources: Sources) -> list[Candidate]:
                 add(method, candidate(
                     "out_of_place", f"`{target} = {target}.{twin}(...)`: the out-of-place form "
                     f"leaves the tensor {saved_by} saved as it was; the values stay the same",
-                    src, edits, keeps_values=True))
+                    src, edits, keeps_values=True, extra={"target": target}))
             # torch.relu_(x)  ->  x = torch.relu(x)
             elif (method.endswith("_") and namespace and value.args
                   and rebindable(value.args[0]) and hasattr(__import__("torch"), method[:-1])):
@@ -149,7 +204,8 @@ def _out_of_place(facts: FixFacts, sources: Sources) -> list[Candidate]:
                 add(op, candidate(
                     "out_of_place", f"`{target} = {target} {symbol} ...` instead of "
                     f"`{target} {symbol}= ...`: a new tensor, and the one {saved_by} saved stays "
-                    "as it was; the values stay the same", src, edits, keeps_values=True))
+                    "as it was; the values stay the same", src, edits, keeps_values=True,
+                    extra={"target": target}))
         # x[i] = v  ->  x = x.index_put((i,), v), or a clone first
         sub = None
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
