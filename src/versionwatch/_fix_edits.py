@@ -54,7 +54,7 @@ from versionwatch._fix_ast import (
 )
 from versionwatch._fix_facts import FixFacts, Line, shown
 from versionwatch._fix_freed import carried_families, complete, retain_graph
-from versionwatch._fix_moves import move_update, step_families
+from versionwatch._fix_moves import move_update, one_forward, step_families, sum_backwards
 from versionwatch._fix_source import Edit, Source, library_file
 
 __all__ = ["FUNCTIONAL_INPLACE", "MODULE_INPLACE", "Candidate", "Sources", "complete", "propose"]
@@ -351,6 +351,8 @@ def propose(facts: FixFacts, sources: Sources | None = None,
             out += _inplace_false(facts, sources, main)
         out += move_update(facts, sources)
         out += step_families(facts, sources)
+        out += sum_backwards(facts, sources)
+        out += one_forward(facts, sources)
     seen: set[tuple[tuple[str, str], ...]] = set()
     unique = []
     for c in out:

@@ -21,6 +21,7 @@ from versionwatch._fix_ast import (
     callee,
     calls,
     candidate,
+    dotted,
     function_stmts,
     insert_after,
     is_true,
@@ -168,7 +169,7 @@ def _refresh(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: int, i_b: 
 
 
 def _sum_losses(src: Source, first: ast.stmt, last: ast.stmt, body: list[ast.stmt],
-                moves: list[Edit]) -> list[Candidate]:
+                moves: list[Edit], family: str = "sum_losses") -> list[Candidate]:
     def loss_of(stmt: ast.stmt) -> ast.expr | None:
         if (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
                 and isinstance(stmt.value.func, ast.Attribute)
@@ -191,11 +192,101 @@ def _sum_losses(src: Source, first: ast.stmt, last: ast.stmt, body: list[ast.stm
                  Edit(src.start(b), src.end(b), f"({a_text} + {b_text})")]
     except ValueError:
         return []
-    cand = candidate(
-        "sum_losses", f"one backward of `{a_text} + {b_text}`, then the step: the same "
-        "gradients as the two backwards, on the weights the forward used", src, edits,
-        same_backwards=False)
+    summary = (f"one backward of `{a_text} + {b_text}`, then the step: the same "
+               "gradients as the two backwards, on the weights the forward used")
+    if family == "sum_backwards":
+        summary = (f"one backward of `{a_text} + {b_text}`: the first backward no longer "
+                   "changes (through the hooks it runs) the weights the second one needs, and "
+                   "each forward gets one backward")
+    cand = candidate(family, summary, src, edits, same_backwards=False)
     return [cand] if cand is not None else []
+
+
+def sum_backwards(facts: FixFacts, sources: Sources) -> list[Candidate]:
+    """Two backwards of one forward, nothing stepped between them in the loop, and the
+    first one changed what the second needs (an optimizer in backward: hooks that step
+    each parameter as its gradient arrives): one backward of the summed losses."""
+    fb = facts.failing_backward
+    src = sources.at(fb)
+    if src is None or fb is None or facts.kind == "freed":
+        return []
+    last = stmt_with(src, fb.line, lambda s: backward_call(s) is not None)
+    place = src.block(last) if last is not None else None
+    if last is None or place is None:
+        return []
+    body, i_b = place
+    for j in range(i_b - 1, -1, -1):
+        stmt = body[j]
+        if any(callee(c) in ("step", "zero_grad") for c in calls(stmt)):
+            return []  # a step between them: the step families' case
+        if backward_call(stmt) is not None:
+            return _sum_losses(src, stmt, last, body, [], family="sum_backwards")
+    return []
+
+
+def one_forward(facts: FixFacts, sources: Sources) -> list[Candidate]:
+    """Two forwards of one module before one backward, where the module's own forward
+    writes what the first one saved (DDP's buffer broadcast, a stand-in for it):
+    one forward of both batches, concatenated, split after."""
+    fb = facts.failing_backward
+    src = sources.at(fb)
+    if src is None or fb is None or not facts.tensor or not facts.update:
+        return []
+    writers = [sources.at(u) for u in facts.update]
+    in_forward = False
+    for w_src, u in zip(writers, facts.update):
+        stmts = w_src.statements_at(u.line) if w_src is not None else []
+        func = w_src.function(stmts[0]) if w_src is not None and stmts else None
+        in_forward = in_forward or getattr(func, "name", "") == "forward"
+    last = stmt_with(src, fb.line, lambda s: backward_call(s) is not None)
+    place = src.block(last) if last is not None else None
+    if not in_forward or last is None or place is None:
+        return []
+    body, i_b = place
+
+    def forward_of(stmt: ast.stmt) -> tuple[str, str, ast.expr] | None:
+        """``out = M(x)``: (out, M, x)."""
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0], ast.Name) and isinstance(stmt.value, ast.Call)
+                and len(stmt.value.args) == 1 and not stmt.value.keywords
+                and dotted(stmt.value.func) is not None):
+            return None
+        return stmt.targets[0].id, src.segment(stmt.value.func), stmt.value.args[0]
+
+    pairs = []
+    for j in range(i_b - 1, 0, -1):
+        if backward_call(body[j]) is not None:
+            break
+        a, b = forward_of(body[j - 1]), forward_of(body[j])
+        if a is not None and b is not None and a[1] == b[1] and src.alone(body[j - 1]) \
+                and src.alone(body[j]):
+            pairs.append((j - 1, a, b))
+    if not pairs:
+        return []
+    j, (out_a, module, x_a), (out_b, _, x_b) = pairs[0]
+    indent = src.indent(body[j].lineno)
+    if isinstance(x_a, ast.Name) and isinstance(x_b, ast.Name):
+        in_a, in_b, bind = x_a.id, x_b.id, ""
+    else:
+        in_a, in_b = f"{out_a}_input", f"{out_b}_input"
+        bind = f"{indent}{in_a}, {in_b} = {src.segment(x_a)}, {src.segment(x_b)}\n"
+    text = (f"{bind}{indent}{out_a}, {out_b} = {module}(torch.cat([{in_a}, {in_b}]))"
+            f".split([len({in_a}), len({in_b})])\n")
+    first, end = src.whole_lines(body[j])[0], src.whole_lines(body[j + 1])[1]
+    cand = candidate(
+        "one_forward", f"one forward of `{module}` on both batches, concatenated, then split: "
+        f"the write in `{module}`'s forward (line {facts.update[-1].line}) happens once, before "
+        "the forward that saves what the backward needs; the batch statistics are over both "
+        "batches now", src, [Edit((first, 0), (end + 1, 0), text)])
+    return [cand] if cand is not None and "torch" in _imported(src) else []
+
+
+def _imported(src: Source) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(src.tree):
+        if isinstance(node, ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
 
 
 def move_update(facts: FixFacts, sources: Sources) -> list[Candidate]:
