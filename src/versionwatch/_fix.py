@@ -179,11 +179,15 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
         meant = run_child(program, watch="none", allow_mutation=True, stop_after=failing,
                           record_upto=0, grads_at=(failing,), timeout=timeout, server=server)
 
+    # A silent write through .data is seen in strict mode only: check in the mode
+    # that saw the hazard.
+    mode = "strict" if facts.kind == "silent" else "default"
+
     def check(c: Candidate) -> None:
         folder = tempfile.mkdtemp(prefix="versionwatch-fix-")
         try:
             scratch = write_scratch(c, folder)
-            run = run_child(program, scratch=scratch, watch="default",
+            run = run_child(program, scratch=scratch, watch=mode,
                             stop_after=failing + check_steps,
                             record_upto=failing + check_steps,
                             grads_upto=min(failing, _GRADS_UPTO), timeout=timeout,
@@ -425,8 +429,11 @@ def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     return opts, []
 
 
-def main(argv: Sequence[str]) -> int:
-    """``versionwatch fix ...``: returns the exit status."""
+def main(argv: Sequence[str], *, server: ForkServer | None = None) -> int:
+    """``versionwatch fix ...``: returns the exit status.
+
+    ``server``: a fork server to run on (tests share one); ``--fresh`` ignores it.
+    """
     try:
         opts, program = _parse(argv)
         if opts.get("help"):
@@ -453,7 +460,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     result = fix(program, facts=facts, check_steps=opts["check_steps"],
                  timeout=opts["timeout"], jobs=opts["jobs"], fresh=opts["fresh"],
-                 sources=sources)
+                 sources=sources, server=None if opts["fresh"] else server)
     if opts["apply"] and result.status == "checked":
         if result.verified:
             problem = apply_patch(result.verified[0])

@@ -10,6 +10,7 @@ and statements removed or inserted with their formatting and comments kept.
 from __future__ import annotations
 
 import ast
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,13 @@ COMPOUND = (ast.With, ast.For, ast.If, ast.While, ast.Try, ast.AsyncWith, ast.As
 
 
 
+def _cwd() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:  # the working directory is gone
+        return None
+
+
 @dataclass
 class Candidate:
     """One proposed patch, and what its check found.
@@ -51,6 +59,9 @@ class Candidate:
         checked: a run of the patched program checked it.
         verified: the check found the hazard gone and the program further on.
         why: the check's finding, one line.
+        extra: what a family notes for later (``merged``, ``target``).
+        base: the working directory when it was made: ``file`` and ``diff`` name
+            the files relative to it.
     """
 
     family: str
@@ -65,6 +76,7 @@ class Candidate:
     verified: bool = False
     why: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    base: str | None = field(default_factory=_cwd)
 
     @property
     def file(self) -> str:
@@ -85,12 +97,12 @@ class Candidate:
 
     @property
     def diff(self) -> str:
-        return "".join(unified_diff(shown(path), old, new)
+        return "".join(unified_diff(shown(path, self.base), old, new)
                        for path, (old, new) in self.files.items())
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "family": self.family, "summary": self.summary, "file": shown(self.file),
+            "family": self.family, "summary": self.summary, "file": shown(self.file, self.base),
             "line": self.line, "old": self.old, "new": self.new, "diff": self.diff,
             "checked": self.checked, "verified": self.verified,
             "keeps_values": self.keeps_values, "why": self.why,

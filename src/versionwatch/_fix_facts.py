@@ -54,12 +54,13 @@ class Line:
         return cls(str(d["file"]), int(d["line"]), str(d.get("code") or ""))
 
 
-def shown(file: str) -> str:
-    """``file`` as the fix output shows it: relative to the working directory when under it."""
+def shown(file: str, base: str | None = None) -> str:
+    """``file`` as the fix output shows it: relative to the working directory (or
+    ``base``) when under it."""
     if file.startswith("<"):
         return file
     try:
-        rel = os.path.relpath(file)
+        rel = os.path.relpath(file, base) if base else os.path.relpath(file)
     except (OSError, ValueError):
         return file
     return file if rel.startswith("..") else rel
