@@ -203,11 +203,30 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
         for c in candidates:
             check(c)
     for c in candidates:
-        if c.family in ("move_step", "sum_losses") and not c.extra.get("merged"):
+        if c.family in ("move_step", "sum_losses") and c.extra.get("other_step"):
             c.summary += _also_applies(original, failing)
+    candidates = _refresh_order(candidates, original, failing)
     result.candidates = [c for c in candidates if c.verified] + \
         [c for c in candidates if not c.verified]
     return result
+
+
+def _refresh_order(candidates: list[Candidate], original: Run, failing: int) -> list[Candidate]:
+    """The forward again after the step (``refresh``) first when the failing backward
+    trains parameters that step did not (a GAN's generator loss through D after
+    opt_d.step()); after the merged step and the summed losses when the step
+    changed all it reaches (two losses of one model: one step for both is meant)."""
+    refresh = [c for c in candidates if c.family == "refresh"]
+    rec = original.record(failing)
+    if not refresh or rec is None or not rec.get("reach"):
+        return candidates
+    stepped = {p for st in original.steps if st["after"] == failing - 1 for p in st["params"]}
+    rest = [c for c in candidates if c.family != "refresh"]
+    if set(rec["reach"]) - stepped:
+        return refresh + rest
+    at = max((i + 1 for i, c in enumerate(rest) if c.family in ("move_step", "sum_losses")),
+             default=0)
+    return rest[:at] + refresh + rest[at:]
 
 
 def _also_applies(original: Run, failing: int) -> str:
@@ -239,6 +258,26 @@ def _facts_of(run: Run) -> FixFacts:
         return FixFacts.from_dict(run.facts)
     kind = (run.hazard or {}).get("kind", "inplace")
     return FixFacts(kind=kind)
+
+
+def unchecked(report: Report, main: str | None = None) -> list[Fix]:
+    """The patches ``versionwatch fix`` would check for ``report``'s first hazard, unchecked.
+
+    Made in this process from the report alone (no run): for an integration that
+    has a report in hand (the Lightning callback). ``main``: the program's main
+    script, searched for in-place modules. Each one's ``why`` says how to check it.
+    """
+    from versionwatch._fix_facts import from_report
+
+    if not report.hazards:
+        return []
+    program = shown(main) if main else "SCRIPT"
+    out = []
+    for c in propose(from_report(report), main=main):
+        c.why = c.hides or (f"not checked: `versionwatch fix {program}` checks it by running "
+                            "the patched program")
+        out.append(Fix(**c.to_dict()))
+    return out
 
 
 def apply_patch(candidate: Candidate) -> str | None:

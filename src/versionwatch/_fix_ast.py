@@ -198,10 +198,28 @@ def is_true(node: ast.AST) -> bool:
 
 
 def backward_call(stmt: ast.AST) -> ast.Call | None:
+    """The first backward ``stmt`` calls: ``loss.backward()``, ``torch.autograd.grad``,
+    Lightning's ``self.manual_backward(loss)``."""
     for call in calls(stmt):
         name = dotted(call.func) or ""
-        if callee(call) == "backward" or name.endswith(("autograd.grad", "autograd.backward")):
+        if callee(call) in ("backward", "manual_backward") \
+                or name.endswith(("autograd.grad", "autograd.backward")):
             return call
+    return None
+
+
+def loss_of(stmt: ast.stmt) -> ast.expr | None:
+    """The loss of a statement that is one backward call: ``loss`` of ``loss.backward()``
+    or of ``self.manual_backward(loss)``."""
+    if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)):
+        return None
+    call, func = stmt.value, stmt.value.func
+    if not isinstance(func, ast.Attribute):
+        return None
+    if func.attr == "backward":
+        return func.value
+    if func.attr == "manual_backward" and call.args:
+        return call.args[0]
     return None
 
 

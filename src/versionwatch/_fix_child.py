@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from versionwatch._compat import is_compiling
+from versionwatch._sites import is_library
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OUR_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -94,10 +95,15 @@ class ScratchFinder(importlib.abc.MetaPathFinder):
             submodule_search_locations=spec.submodule_search_locations)
 
 
+def _library(name: str) -> bool:
+    """A frame of torch, of ours, or of a training library (Lightning, Accelerate,
+    pytest): as the watcher's sites skip them, so that the user's line is found."""
+    return name.startswith(_SKIP) or name.startswith("<frozen") or is_library(name)
+
+
 def _user_frame(frame: FrameType | None) -> FrameType | None:
     while frame is not None:
-        name = frame.f_code.co_filename
-        if not (name.startswith(_SKIP) or name.startswith("<frozen")):
+        if not _library(frame.f_code.co_filename):
             return frame
         frame = frame.f_back
     return None
@@ -114,7 +120,7 @@ def _leaf_names(frame: FrameType | None) -> dict[int, tuple[str, torch.Tensor]]:
 
     while frame is not None:
         code = frame.f_code.co_filename
-        if not (code.startswith(_SKIP) or code.startswith("<frozen")):
+        if not _library(code):
             for scope in (frame.f_locals, frame.f_globals):
                 if id(scope) in seen_scopes:
                     continue
@@ -494,7 +500,8 @@ def main(argv: Sequence[str]) -> int:
                 _run_main(program[0], scratch)
     except SystemExit as e:
         code_ = e.code
-        status = code_ if isinstance(code_, int) else (0 if code_ is None else 1)
+        # int() of an IntEnum (pytest.ExitCode): the record holds plain data only
+        status = int(code_) if isinstance(code_, int) else (0 if code_ is None else 1)
         tracker.result = {"status": "exited" if status else "completed", "exit": status}
         tracker.finish("exited", status)
     except BaseException as e:

@@ -198,6 +198,7 @@ class FixFacts:
 
 
 _OP = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\(\)")
+_STEP_CALL = re.compile(r"^[\w.\[\]]+\.step\(\s*\)")
 
 
 def _line(site: Site | None) -> Line | None:
@@ -245,8 +246,10 @@ def from_report(report: Report, hazard: Hazard | None = None) -> FixFacts:
             step = site
         elif m.kind == "inplace_op" and site is not None:
             match = _OP.match(m.description)
-            if "step()" in m.description and step is None:
-                step = site  # strict mode records a step's writes as the step
+            if ("step()" in m.description or _STEP_CALL.search(site.code)) and step is None:
+                # Strict mode records a step's writes as the step, or (an optimizer
+                # it did not adopt, Lightning's) as the op, at the step's line.
+                step = site
             elif named:
                 update.extend(_sites(m))
             elif write is None:

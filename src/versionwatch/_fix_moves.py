@@ -25,6 +25,7 @@ from versionwatch._fix_ast import (
     function_stmts,
     insert_after,
     is_true,
+    loss_of,
     method_stmt,
     remove,
     retain_edit,
@@ -56,6 +57,8 @@ def step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
         return []
     body, i_s, i_b = common
     step, last = body[i_s], body[i_b]
+    if step is not s_stmt or last is not b_stmt:
+        return []  # one of them sits in a block (`if ...:`) of its own: not moved out of it
     zeros = [body[j] for j in range(i_s + 1, i_b)
              if method_stmt(body[j], "zero_grad", receiver, src)]
     later = None
@@ -103,14 +106,19 @@ def step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
             retain = [keep]
             summary += (f", and `retain_graph=True` on `{src.segment(first_call)}` keeps "
                         "its graph for the second")
+    # Another optimizer steps after the last backward (an actor's, a generator's): the
+    # moved step may then apply that loss's gradients to what it should not train.
+    other = any(callee(c) == "step" and isinstance(c.func, ast.Attribute)
+                and src.segment(c.func.value) != receiver
+                for st in body[i_b + 1:] for c in calls(st))
     cand = candidate("move_step", summary, src, moves + retain) if moves else None
     if cand is not None:
-        cand.extra["merged"] = later is not None
+        cand.extra.update(merged=later is not None, other_step=other)
         out.append(cand)
     # One backward of the summed losses.
     if first_stmt is not None:
         for c in _sum_losses(src, first_stmt, last, body, moves):
-            c.extra["merged"] = later is not None
+            c.extra.update(merged=later is not None, other_step=other)
             out.append(c)
     if later is not None:
         out += refresh
@@ -170,13 +178,6 @@ def _refresh(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: int, i_b: 
 
 def _sum_losses(src: Source, first: ast.stmt, last: ast.stmt, body: list[ast.stmt],
                 moves: list[Edit], family: str = "sum_losses") -> list[Candidate]:
-    def loss_of(stmt: ast.stmt) -> ast.expr | None:
-        if (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
-                and isinstance(stmt.value.func, ast.Attribute)
-                and stmt.value.func.attr == "backward"):
-            return stmt.value.func.value
-        return None
-
     a, b = loss_of(first), loss_of(last)
     if a is None or b is None:
         return []
@@ -187,9 +188,13 @@ def _sum_losses(src: Source, first: ast.stmt, last: ast.stmt, body: list[ast.stm
     if names & rebound:
         return []
     a_text, b_text = src.segment(a), src.segment(b)
+    # `(a + b).backward()`; an argument needs no parentheses: `manual_backward(a + b)`.
+    receiver = isinstance(last, ast.Expr) and isinstance(last.value, ast.Call) \
+        and isinstance(last.value.func, ast.Attribute) and last.value.func.value is b
+    total = f"({a_text} + {b_text})" if receiver else f"{a_text} + {b_text}"
     try:
         edits = [remove(src, first), *moves,
-                 Edit(src.start(b), src.end(b), f"({a_text} + {b_text})")]
+                 Edit(src.start(b), src.end(b), total)]
     except ValueError:
         return []
     summary = (f"one backward of `{a_text} + {b_text}`, then the step: the same "
