@@ -150,6 +150,18 @@ def _seq_clock() -> int:
     return int(fn._sequence_nr()) if fn is not None else 0
 
 
+def _traced(t: torch.Tensor) -> bool:
+    """A fake or functional tensor: torch tracing a graph, not the program computing."""
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return False
+    if type(t).__module__.startswith("torch._subclasses"):  # FakeTensor, FunctionalTensor
+        return True
+    functional = getattr(torch._C, "_is_functional_tensor", None)
+    return bool(is_fake(t)) or (functional is not None and bool(functional(t)))
+
+
 def _tensors(value: Any) -> tuple[torch.Tensor, ...]:
     if isinstance(value, torch.Tensor):
         return (value,)
@@ -250,6 +262,9 @@ class Tracker:
             if getattr(self.local, "depth", 0) or is_compiling():
                 return inner(*args, **kwargs)
             roots = args[at] if len(args) > at else kwargs.get(first)
+            if isinstance(roots, (torch.Tensor, list, tuple)) and any(
+                    _traced(t) for t in _tensors(roots)):
+                return inner(*args, **kwargs)  # older torch: is_compiling() is False there
             if roots is not None and not isinstance(roots, (torch.Tensor, list, tuple)):
                 roots = tuple(roots)  # an iterator: read once, here
                 if len(args) > at:
@@ -430,7 +445,13 @@ class Tracker:
         self.result["records"] = self.records
         self.result["steps"] = self.step_log
         tmp = self.out + ".tmp"
-        torch.save(self.result, tmp)
+        try:
+            torch.save(self.result, tmp)
+        except Exception as e:  # a tensor we kept cannot be saved: the record without values
+            self.result["records"] = [{k: v for k, v in r.items() if k not in ("loss", "grads")}
+                                      for r in self.records]
+            self.result["record_error"] = repr(e)
+            torch.save(self.result, tmp)
         os.replace(tmp, self.out)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
