@@ -35,8 +35,8 @@ import torch
 import fix_patterns
 from versionwatch._fix import FixResult, apply_patch, fix
 from versionwatch._fix import main as fix_main
-from versionwatch._fix_check import ForkServer
 from versionwatch._fix_facts import FixFacts, Line
+from versionwatch._fix_server import ForkServer
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

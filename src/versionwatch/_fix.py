@@ -28,9 +28,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from versionwatch._fix_ast import backward_after
-from versionwatch._fix_check import ForkServer, Run, judge, run_child, write_scratch
+from versionwatch._fix_check import Run, judge, run_child, write_scratch
 from versionwatch._fix_edits import Candidate, Sources, propose
 from versionwatch._fix_facts import FixFacts, Line, shown
+from versionwatch._fix_server import ForkServer
 from versionwatch._report import Fix, Report
 
 USAGE = ("versionwatch fix [--check-steps N] [--timeout SECONDS] [--jobs N] [--fresh] [--apply] "
