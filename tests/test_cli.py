@@ -262,7 +262,15 @@ def test_demo_runs_in_four_steps(tmp_path: Path):
     assert "is at version 2; expected version 1 instead" in r.stdout
     assert "model.w3 saved by MulBackward0" in r.stdout
     assert "SGD.step() #3 at versionwatch/_demo.py" in r.stdout
-    assert "3 iterations, 0 hazards" in r.stdout
+    # It ends with the patch versionwatch fix verified, and the patched loop watched.
+    step4 = r.stdout[r.stdout.index("=== step 4/4"):]
+    assert "verified: one `optim.step()` after both backwards" in step4
+    assert "checked: the program ran to its end (6 backward(s)), no hazard" in step4
+    assert ("diff --git a/train.py b/train.py\n--- a/train.py\n+++ b/train.py\n" in step4)
+    assert "-    optim.step()\n-    optim.zero_grad(set_to_none=False)\n" in step4
+    assert "rejected: set_to_none: set_to_none=True only hides the failure" in step4
+    assert "3 iterations, 0 hazards" in step4
+    assert not [p for p in tmp_path.iterdir()]  # the program it patched was a scratch copy
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["run", "--help"]])

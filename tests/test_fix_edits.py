@@ -487,3 +487,174 @@ def test_from_report_of_a_strict_watcher(tmp_path: Path) -> None:
     assert facts.failing_backward is not None and facts.failing_backward.line == 8
     assert facts.saved_at is not None and facts.saved_at.line == 5
     assert [c.family for c in propose(facts)][:2] == ["move_step", "sum_losses"]
+
+
+# -- the families added for the patterns' programs --------------------------------------
+
+def test_every_write_to_the_variable_in_its_function(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        class Block:
+            def forward(self, x):
+                x = x + 0
+                x += self.ff(self.n1(x))
+                x += self.ff2(self.n2(x))  # the write the watcher named
+                return x
+    """)
+    cands = propose(FixFacts("inplace", node="NativeLayerNormBackward0", write=at(path, 5)))
+    assert [c.family for c in cands] == ["out_of_place", "out_of_place"]
+    one, every = cands
+    assert one.new == "        x = x + self.ff2(self.n2(x))  # the write the watcher named"
+    assert new_text(every).splitlines()[3:5] == [
+        "        x = x + self.ff(self.n1(x))",
+        "        x = x + self.ff2(self.n2(x))  # the write the watcher named",
+    ]
+    assert "every in-place write to `x` in `forward` (lines 4, 5)" in every.summary
+    assert every.keeps_values
+
+
+def test_sum_backwards_for_an_optimizer_in_backward(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        out = model(torch.randn(2, 4))
+        out.pow(2).mean().backward(retain_graph=True)
+        out.abs().mean().backward()
+    """)
+    (c,) = propose(FixFacts("inplace", tensor="model.2.weight", update=(at(path, 9),),
+                            failing_backward=at(path, 3)))
+    assert c.family == "sum_backwards" and not c.same_backwards
+    assert new_text(c).splitlines()[1:] == ["(out.pow(2).mean() + out.abs().mean()).backward()"]
+    # A step between the two: the step families' case, not this one.
+    path = write(tmp_path, "out = m(x)\na.backward(retain_graph=True)\nopt.step()\nb.backward()\n",
+                 "b.py")
+    assert "sum_backwards" not in [c.family for c in propose(FixFacts(
+        "inplace", tensor="m.weight", failing_backward=at(path, 4)))]
+
+
+def test_one_forward_for_a_write_in_the_modules_own_forward(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        import torch
+
+        class Broadcast(nn.Module):
+            def forward(self, x):
+                with torch.no_grad():
+                    for b in self.module.buffers():
+                        b.copy_(b)
+                return self.module(x)
+
+        out_real = ddp(real)
+        out_fake = ddp(fake)   # the broadcast overwrites what the first forward saved
+        (out_real.mean() - out_fake.mean()).backward()
+    """)
+    (c,) = propose(FixFacts("inplace", tensor="ddp.module.1.running_mean",
+                            update=(at(path, 7),), failing_backward=at(path, 12)))
+    assert c.family == "one_forward" and not c.keeps_values
+    assert new_text(c).splitlines()[9:11] == [
+        "out_real, out_fake = ddp(torch.cat([real, fake])).split([len(real), len(fake)])",
+        "(out_real.mean() - out_fake.mean()).backward()",
+    ]
+    assert "the batch statistics are over both batches now" in c.summary
+
+
+def test_manual_backward_losses_are_summed_as_arguments(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        def training_step(self, batch, batch_idx):
+            out = self.net(batch)
+            self.manual_backward(out.pow(2).mean(), retain_graph=True)
+            opt.step()
+            self.manual_backward(out.abs().mean())
+    """)
+    cands = propose(FixFacts("inplace", tensor="model.net.2.weight", step=at(path, 4),
+                             failing_backward=at(path, 5)))
+    assert [c.family for c in cands] == ["move_step", "sum_losses"]
+    assert cands[1].new == "    self.manual_backward(out.pow(2).mean() + out.abs().mean())"
+
+
+def test_a_step_in_a_block_of_its_own_is_not_moved_out(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        if reuse:
+            d_loss.backward(retain_graph=True)
+            opt_d.step()
+        g_loss.backward()
+    """)
+    assert propose(FixFacts("inplace", tensor="D.2.weight", step=at(path, 3),
+                            failing_backward=at(path, 4))) == []
+
+
+def test_a_step_between_two_backwards_of_a_freed_graph(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        out = net(x)
+        mse = (out - y).pow(2).mean()
+        mse.backward()
+        opt.step()
+        l1 = (out - y).abs().mean()
+        l1.backward()
+        opt.step()
+    """)
+    cands = propose(FixFacts("freed", carried="out", first_backward=at(path, 3),
+                             failing_backward=at(path, 6)))
+    move = only(cands, "move_step")
+    assert new_text(move).splitlines()[2:6] == [
+        "mse.backward(retain_graph=True)", "l1 = (out - y).abs().mean()", "l1.backward()",
+        "opt.step()"]
+    assert "`retain_graph=True` on `mse.backward()` keeps its graph" in move.summary
+    assert only(cands, "sum_losses").new.endswith("(mse + l1).backward()")
+
+
+def test_the_carried_tensor_from_the_source(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        hidden = torch.zeros(2, 8)
+        for _ in range(4):
+            hidden = cell(torch.randn(2, 4), hidden)
+            loss = head(hidden).pow(2).mean()
+            loss.backward()
+    """)
+    # The watcher named no carrier: the line that saved the freed tensor does.
+    (c,) = [c for c in propose(FixFacts("freed", saved_at=at(path, 3), first_backward=at(path, 5),
+                                        failing_backward=at(path, 5)))
+            if c.family == "detach_carried"]
+    assert c.new == "    hidden = cell(torch.randn(2, 4), hidden.detach())"
+
+
+def test_the_backward_a_check_asked_about(tmp_path: Path) -> None:
+    from versionwatch._fix_ast import backward_after
+
+    path = write(tmp_path, """
+        for n in range(3):
+            loss1.backward(retain_graph=True)
+            if predict:
+                versionwatch.assert_backward_safe(loss2, names=model)
+            other.backward()
+            loss2.backward()
+    """)
+    src = Source(path, Path(path).read_text(encoding="utf-8"))
+    found = backward_after(src, 4)
+    assert found is not None and src.segment(found) == "loss2.backward()"
+
+
+def test_from_report_reads_the_facts_a_report_may_have(tmp_path: Path) -> None:
+    """carrier, between and a writer's construction line: read when the report has them."""
+    from versionwatch._report import (
+        Between,
+        Carrier,
+        Hazard,
+        Modification,
+        Report,
+        Site,
+        Writer,
+    )
+
+    path = write(tmp_path, "x = 1\n")
+    freed = Hazard("freed", "AddmmBackward0", "mat1", carried_by="",
+                   carrier=Carrier("fake", Site(path, 3, "fake = G(z)"), role="input"),
+                   between=Between((Modification("optimizer.step", "Adam.step() #1",
+                                                 Site(path, 5, "od.step()")),)))
+    facts = from_report(Report(hazards=[freed]))
+    assert (facts.carried, facts.carried_use, facts.between) == ("fake", "forward", "step")
+    assert facts.carried_made == Line(path, 3, "fake = G(z)")
+    assert facts.step == Line(path, 5, "od.step()")
+    write_ = Modification("inplace_op", "dropout_()", Site(path, 9, "loss = clf(x)"),
+                          writer=Writer("clf.2", "Dropout(p=0.5, inplace=True)",
+                                        Site(path, 2, "nn.Dropout(0.5, True),")))
+    facts = from_report(Report(hazards=[Hazard("inplace", "ReluBackward0", "result",
+                                               modified_by=[write_])]))
+    assert facts.module_built == Line(path, 2, "nn.Dropout(0.5, True),")
+    assert facts.module_class == "Dropout"

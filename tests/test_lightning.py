@@ -293,3 +293,57 @@ def test_import_versionwatch_imports_no_optional_package() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+class TwoLosses(pl.LightningModule):
+    """Manual optimization: two backwards of one forward around a step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        (x,) = batch
+        opt = self.optimizers()
+        out = self.net(x)
+        opt.zero_grad()
+        self.manual_backward(out.pow(2).mean(), retain_graph=True)
+        opt.step()
+        self.manual_backward(out.abs().mean())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, ...]]:
+        return _data()
+
+
+def test_fix_option_logs_the_patches_unchecked(caplog: pytest.LogCaptureFixture) -> None:
+    """fix=True: the patches versionwatch fix would check, from the report, not run."""
+    from pathlib import Path
+
+    source = Path(__file__).read_text(encoding="utf-8")
+    model, cb = TwoLosses(), VersionWatch(fix=True)
+    with caplog.at_level(logging.ERROR, logger="versionwatch"):
+        with pytest.raises(RuntimeError) as info:
+            _trainer(cb).fit(model)
+    err = _find(info.value, versionwatch.InplaceModificationError)
+    assert isinstance(err, versionwatch.InplaceModificationError), info.value
+    fixes = err.report.hazards[0].fixes
+    assert [f.family for f in fixes] == ["move_step", "sum_losses"]
+    assert all(not f.checked and not f.verified for f in fixes)
+    assert fixes[0].why.startswith("not checked: `versionwatch fix ")
+    assert fixes[0].file.endswith("test_lightning.py")
+    assert fixes[1].new.strip() == "self.manual_backward(out.pow(2).mean() + out.abs().mean())"
+    [rec] = [r for r in caplog.records if "a patch for it" in r.getMessage()]
+    assert "`opt.step()` moves after `self.manual_backward(out.abs().mean())`" in rec.getMessage()
+    assert "diff --git a/" in rec.getMessage() and "test_lightning.py" in rec.getMessage()
+    assert Path(__file__).read_text(encoding="utf-8") == source  # nothing written
+    # Without fix=True: no patch, and none in the report.
+    model, cb = TwoLosses(), VersionWatch()
+    with pytest.raises(RuntimeError) as info:
+        _trainer(cb).fit(model)
+    err = _find(info.value, versionwatch.InplaceModificationError)
+    assert isinstance(err, versionwatch.InplaceModificationError)
+    assert err.report.hazards[0].fixes == []

@@ -193,3 +193,41 @@ def test_a_test_that_watches_its_own_model(pytester: pytest.Pytester, flag: str)
     pytester.makepyfile(test_own=OWN_WATCHER)
     result = pytester.runpytest_subprocess(flag, "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+TRAIN = """
+import torch
+from torch import nn
+
+
+def test_two_losses_one_step():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = model(torch.randn(8, 4))
+    out.pow(2).mean().backward(retain_graph=True)
+    opt.step()
+    out.abs().mean().backward()
+
+
+def test_other_failure():
+    assert 1 == 2
+"""
+
+
+def test_fix_option_adds_the_verified_patch_to_the_report(pytester: pytest.Pytester):
+    """--versionwatch-fix: the failing test runs again with each patch; the best one shows."""
+    path = pytester.makepyfile(test_train=TRAIN)
+    before = path.read_text(encoding="utf-8")
+    result = pytester.runpytest_subprocess("--versionwatch-fix", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines([
+        "*- versionwatch fix -*",
+        "verified: `opt.step()` moves after `out.abs().mean().backward()`*",
+        "  checked: the program ran to its end (2 backward(s)), no hazard, no other error",
+        "diff --git a/test_train.py b/test_train.py",
+        "(1 more verified: `versionwatch fix -m pytest test_train.py::test_two_losses_one_step "
+        "--assert=plain` shows them)",
+    ])
+    out = result.stdout.str()
+    assert out.count("- versionwatch fix -") == 1  # not for the test that fails otherwise
+    assert path.read_text(encoding="utf-8") == before  # nothing written

@@ -16,13 +16,16 @@ if TYPE_CHECKING:
         InplaceHazardWarning,
         InplaceModificationError,
     )
+    from versionwatch._fix import FixResult, fix
     from versionwatch._predict import assert_backward_safe, check
-    from versionwatch._report import Hazard, Modification, Repair, Report, Site
+    from versionwatch._report import Fix, Hazard, Modification, Repair, Report, Site
     from versionwatch._timeline import Timeline
     from versionwatch._watch import Watcher, watch
 
 __all__ = [
     "AutoWatcher",
+    "Fix",
+    "FixResult",
     "FreedGraphError",
     "Hazard",
     "InplaceHazardWarning",
@@ -35,6 +38,7 @@ __all__ = [
     "Watcher",
     "assert_backward_safe",
     "check",
+    "fix",
     "watch",
     "watch_all",
 ]
@@ -54,6 +58,9 @@ _WHERE = {
     "InplaceModificationError": "_errors",
     "assert_backward_safe": "_predict",
     "check": "_predict",
+    "Fix": "_report",
+    "FixResult": "_fix",
+    "fix": "_fix",
     "Hazard": "_report",
     "Modification": "_report",
     "Repair": "_report",

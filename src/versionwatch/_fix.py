@@ -27,11 +27,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from versionwatch._fix_check import ForkServer, Run, judge, run_child, write_scratch
+from versionwatch._fix_ast import backward_after
+from versionwatch._fix_check import Run, judge, run_child, write_scratch
 from versionwatch._fix_edits import Candidate, Sources, propose
 from versionwatch._fix_facts import FixFacts, Line, shown
+from versionwatch._fix_server import ForkServer
+from versionwatch._report import Fix, Report
 
-USAGE = ("versionwatch fix [--check-steps N] [--timeout SECONDS] [--jobs N] [--apply] "
+USAGE = ("versionwatch fix [--check-steps N] [--timeout SECONDS] [--jobs N] [--fresh] [--apply] "
          "[--json PATH] [--facts PATH] (SCRIPT | -m MODULE | -c CODE | -) [ARGS...]")
 # Backwards recorded in full (losses, reach) and with their gradients.
 _RECORD_UPTO = 1000
@@ -53,6 +56,10 @@ class FixResult:
         applied: the candidate ``--apply`` wrote, if any.
         failing: the number of the backward that fails.
         notes: lines to print after the candidates.
+        asked_at: where the program's ``check()``/``assert_backward_safe()``
+            (or a watcher, at a write) found the hazard before the backward ran.
+        report: the first run's :class:`~versionwatch.Report`, the hazard's
+            ``fixes`` filled with the candidates (``None`` without a hazard).
     """
 
     status: str
@@ -64,10 +71,19 @@ class FixResult:
     failing: int = 0
     check_steps: int = 3
     notes: list[str] = field(default_factory=list)
+    asked_at: Line | None = None
+    report: Report | None = None
 
     @property
     def verified(self) -> list[Candidate]:
         return [c for c in self.candidates if c.verified]
+
+    def fill_report(self) -> None:
+        """``report``: the first run's report, its first hazard's ``fixes`` the candidates."""
+        report = self.original.report_object() if self.original is not None else None
+        if report is not None and report.hazards:
+            report.hazards[0].fixes = [Fix(**c.to_dict()) for c in self.candidates]
+        self.report = report
 
 
 def _program_file(program: list[str]) -> str | None:
@@ -77,10 +93,14 @@ def _program_file(program: list[str]) -> str | None:
     return os.path.join(os.getcwd(), program[0])
 
 
-def fix(program: list[str], *, facts: FixFacts | None = None, check_steps: int = 3,
-        timeout: float = 120.0, jobs: int = 1, sources: dict[str, str] | None = None,
-        server: ForkServer | None = None) -> FixResult:
+def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: int = 3,
+        timeout: float = 120.0, jobs: int = 1, fresh: bool = False,
+        sources: dict[str, str] | None = None, server: ForkServer | None = None) -> FixResult:
     """Find the first hazard of ``program``, propose patches, and check each one.
+
+    What ``versionwatch fix`` does, without printing or writing anything:
+    ``result.report.hazards[0].fixes`` holds the patches (verified first),
+    ``result.verified`` the verified ones; :func:`apply_patch` writes one.
 
     Args:
         program: ``["script.py", ARGS...]``, ``["-m", "pkg.mod", ARGS...]`` or
@@ -89,15 +109,29 @@ def fix(program: list[str], *, facts: FixFacts | None = None, check_steps: int =
         check_steps: how many backwards past the failing one a check runs.
         timeout: seconds each run may take.
         jobs: how many checks run at once.
+        fresh: run each run in a new interpreter rather than a fork of one
+            that imported torch (for a program that sets torch's environment
+            up before importing it).
         sources: source text of files that are not on disk (``"<string>"``).
         server: the fork server to run on (default: one of its own, where
             ``os.fork`` exists; one for many calls saves its start-up).
+
+    Example:
+        >>> import versionwatch
+        >>> result = versionwatch.fix(["train.py"])           # doctest: +SKIP
+        >>> print(result.report.hazards[0].fixes[0].diff)     # doctest: +SKIP
     """
-    own = server is None and hasattr(os, "fork")
+    program = list(program)
+    if not program or not all(isinstance(a, str) for a in program):
+        raise TypeError("fix() takes the program as a list of strings: "
+                        "['train.py', ARGS...], ['-m', 'pkg.mod', ...] or ['-c', CODE, ...]")
+    own = server is None and not fresh and hasattr(os, "fork")
     if own:
         server = ForkServer()
     try:
-        return _fix(program, facts, check_steps, timeout, jobs, sources, server)
+        result = _fix(program, facts, check_steps, timeout, jobs, sources, server)
+        result.fill_report()
+        return result
     finally:
         if own and server is not None:
             server.close()
@@ -115,17 +149,27 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
     failing = original.failed_at or 0
     if facts is None:
         facts = _facts_of(original)
+    texts = dict(sources or {})
+    if program[0] == "-c":
+        texts.setdefault("<string>", program[1])
+    asked_at = None
+    rec = original.record(failing)
+    if rec and rec.get("before") and rec.get("site"):
+        # Found before the backward ran: the backward it asked about is the one.
+        asked_at = Line(rec["site"][0], int(rec["site"][1]))
+        if facts.failing_backward is None:
+            asked = _backward_asked(asked_at, Sources({**facts.sources, **texts}))
+            if asked is not None:
+                facts = replace(facts, failing_backward=asked)
+                rec["site"] = [asked.file, asked.line, False]
     if facts.failing_backward is None:
         rec = original.record(failing)
         if rec and rec.get("site"):
             facts = replace(facts, failing_backward=Line(rec["site"][0], int(rec["site"][1])))
-    texts = dict(sources or {})
-    if program[0] == "-c":
-        texts.setdefault("<string>", program[1])
     candidates = propose(replace(facts, sources={**facts.sources, **texts}),
                          Sources({**facts.sources, **texts}), main=_program_file(program))
     result = FixResult("checked", 1, original, facts, candidates, failing=failing,
-                       check_steps=check_steps)
+                       check_steps=check_steps, asked_at=asked_at)
     if program[0] == "-c" or any(p.startswith("<") for c in candidates for p in c.files):
         result.status = "unchecked"
         result.notes.append("not checked: the program is not a file that can be run again "
@@ -136,11 +180,15 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
         meant = run_child(program, watch="none", allow_mutation=True, stop_after=failing,
                           record_upto=0, grads_at=(failing,), timeout=timeout, server=server)
 
+    # A silent write through .data is seen in strict mode only: check in the mode
+    # that saw the hazard.
+    mode = "strict" if facts.kind == "silent" else "default"
+
     def check(c: Candidate) -> None:
         folder = tempfile.mkdtemp(prefix="versionwatch-fix-")
         try:
             scratch = write_scratch(c, folder)
-            run = run_child(program, scratch=scratch, watch="default",
+            run = run_child(program, scratch=scratch, watch=mode,
                             stop_after=failing + check_steps,
                             record_upto=failing + check_steps,
                             grads_upto=min(failing, _GRADS_UPTO), timeout=timeout,
@@ -156,11 +204,30 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
         for c in candidates:
             check(c)
     for c in candidates:
-        if c.family in ("move_step", "sum_losses") and not c.extra.get("merged"):
+        if c.family in ("move_step", "sum_losses") and c.extra.get("other_step"):
             c.summary += _also_applies(original, failing)
+    candidates = _refresh_order(candidates, original, failing)
     result.candidates = [c for c in candidates if c.verified] + \
         [c for c in candidates if not c.verified]
     return result
+
+
+def _refresh_order(candidates: list[Candidate], original: Run, failing: int) -> list[Candidate]:
+    """The forward again after the step (``refresh``) first when the failing backward
+    trains parameters that step did not (a GAN's generator loss through D after
+    opt_d.step()); after the merged step and the summed losses when the step
+    changed all it reaches (two losses of one model: one step for both is meant)."""
+    refresh = [c for c in candidates if c.family == "refresh"]
+    rec = original.record(failing)
+    if not refresh or rec is None or not rec.get("reach"):
+        return candidates
+    stepped = {p for st in original.steps if st["after"] == failing - 1 for p in st["params"]}
+    rest = [c for c in candidates if c.family != "refresh"]
+    if set(rec["reach"]) - stepped:
+        return refresh + rest
+    at = max((i + 1 for i, c in enumerate(rest) if c.family in ("move_step", "sum_losses")),
+             default=0)
+    return rest[:at] + refresh + rest[at:]
 
 
 def _also_applies(original: Run, failing: int) -> str:
@@ -178,11 +245,40 @@ def _also_applies(original: Run, failing: int) -> str:
             "(a GAN's discriminator: re-run its forward after the step instead)")
 
 
+def _backward_asked(asked_at: Line, sources: Sources) -> Line | None:
+    """The backward that a ``check()`` at ``asked_at`` asked about, from the source."""
+    src = sources.at(asked_at)
+    stmt = backward_after(src, asked_at.line) if src is not None else None
+    if src is None or stmt is None:
+        return None
+    return Line(asked_at.file, stmt.lineno, src.line_text(stmt.lineno).strip())
+
+
 def _facts_of(run: Run) -> FixFacts:
     if run.facts:
         return FixFacts.from_dict(run.facts)
     kind = (run.hazard or {}).get("kind", "inplace")
     return FixFacts(kind=kind)
+
+
+def unchecked(report: Report, main: str | None = None) -> list[Fix]:
+    """The patches ``versionwatch fix`` would check for ``report``'s first hazard, unchecked.
+
+    Made in this process from the report alone (no run): for an integration that
+    has a report in hand (the Lightning callback). ``main``: the program's main
+    script, searched for in-place modules. Each one's ``why`` says how to check it.
+    """
+    from versionwatch._fix_facts import from_report
+
+    if not report.hazards:
+        return []
+    program = shown(main) if main else "SCRIPT"
+    out = []
+    for c in propose(from_report(report), main=main):
+        c.why = c.hides or (f"not checked: `versionwatch fix {program}` checks it by running "
+                            "the patched program")
+        out.append(Fix(**c.to_dict()))
+    return out
 
 
 def apply_patch(candidate: Candidate) -> str | None:
@@ -237,6 +333,8 @@ def render(result: FixResult) -> str:
         "versionwatch: ")
     rec = original.record(result.failing) if original else None
     at = f" at {shown(rec['site'][0])}:{rec['site'][1]}" if rec and rec.get("site") else ""
+    if result.asked_at is not None:
+        at += f" (found before it ran, at {result.asked_at})"
     out.append(f"versionwatch fix: backward #{result.failing}{at}: {head}")
     cands = result.candidates
     if not cands:
@@ -315,7 +413,7 @@ def to_json(result: FixResult, target: str | None) -> dict[str, Any]:
 # -- the command ---------------------------------------------------------------------
 
 _VALUED = {"--check-steps", "--timeout", "--jobs", "--json", "--facts"}
-_FLAGS = {"--apply", "-h", "--help"}
+_FLAGS = {"--apply", "--fresh", "-h", "--help"}
 
 
 class _Usage(Exception):
@@ -324,6 +422,7 @@ class _Usage(Exception):
 
 def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     opts: dict[str, Any] = {"check_steps": 3, "timeout": 120.0, "jobs": 1, "apply": False,
+                            "fresh": False,
                             "json": None, "facts": None}
     i = 0
     while i < len(argv):
@@ -334,8 +433,8 @@ def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
         if arg in ("-h", "--help"):
             opts["help"] = True
             return opts, []
-        if arg == "--apply":
-            opts["apply"] = True
+        if arg in ("--apply", "--fresh"):
+            opts[arg[2:]] = True
             i += 1
             continue
         if arg in ("-m", "-c"):
@@ -370,8 +469,11 @@ def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     return opts, []
 
 
-def main(argv: Sequence[str]) -> int:
-    """``versionwatch fix ...``: returns the exit status."""
+def main(argv: Sequence[str], *, server: ForkServer | None = None) -> int:
+    """``versionwatch fix ...``: returns the exit status.
+
+    ``server``: a fork server to run on (tests share one); ``--fresh`` ignores it.
+    """
     try:
         opts, program = _parse(argv)
         if opts.get("help"):
@@ -397,7 +499,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"versionwatch fix: error: {e} (versionwatch fix --help)", file=sys.stderr)
         return 2
     result = fix(program, facts=facts, check_steps=opts["check_steps"],
-                 timeout=opts["timeout"], jobs=opts["jobs"], sources=sources)
+                 timeout=opts["timeout"], jobs=opts["jobs"], fresh=opts["fresh"],
+                 sources=sources, server=None if opts["fresh"] else server)
     if opts["apply"] and result.status == "checked":
         if result.verified:
             problem = apply_patch(result.verified[0])

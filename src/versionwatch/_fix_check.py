@@ -24,22 +24,23 @@ program meant: every saved tensor as it was saved).
 
 from __future__ import annotations
 
-import contextlib
+import base64
 import json
 import os
-import queue
+import pickle
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from versionwatch._fix_edits import Candidate
 from versionwatch._fix_facts import shown
+from versionwatch._fix_server import ForkServer, environment
 from versionwatch._fix_source import line_map
+from versionwatch._report import Report
 
 
 @dataclass
@@ -62,101 +63,21 @@ class Run:
     steps: list[dict[str, Any]] = field(default_factory=list)
     stderr: str = ""
     seconds: float = 0.0
+    report_pickle: str | None = None
 
     def record(self, n: int) -> dict[str, Any] | None:
         return next((r for r in self.records if r["n"] == n), None)
 
-
-def _environment() -> dict[str, str]:
-    """The program's environment, with this very versionwatch importable first."""
-    env = dict(os.environ)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    return env
-
-
-class ForkServer:
-    """A process that has imported torch once and forks a run for each request.
-
-    Each run is then a fork of a fresh interpreter that imported torch (with
-    ``torch._dynamo``, which an optimizer's first step imports) and versionwatch
-    and did nothing else: what a new process would be after its imports, for a
-    fraction of the start-up. A run takes the working directory of the call
-    that asked for it, and the environment the server started with. Used where
-    ``os.fork`` exists; :func:`run_child` starts a whole process without it.
-    """
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "versionwatch._fix_child", "--serve"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=_environment(), start_new_session=True)
-        self.lock = threading.Lock()
-        self.next_id = 0
-        self.answers: dict[int, queue.Queue[dict[str, Any]]] = {}
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            message = json.loads(line)
-            with self.lock:
-                q = self.answers.get(message["id"])
-            if q is not None:
-                q.put(message)
-        with self.lock:  # the server is gone: every waiting run ends
-            for q in self.answers.values():
-                q.put({"exit": -1, "gone": True})
-
-    def run(self, spec: str, err: str, timeout: float) -> tuple[int, bool]:
-        """Run ``spec``; its exit status, and whether it timed out."""
-        q: queue.Queue[dict[str, Any]] = queue.Queue()
-        with self.lock:
-            self.next_id += 1
-            rid = self.next_id
-            self.answers[rid] = q
-            assert self.proc.stdin is not None
-            self.proc.stdin.write((json.dumps({"id": rid, "spec": spec, "err": err})
-                                   + "\n").encode())
-            self.proc.stdin.flush()
-        deadline = time.monotonic() + timeout
-        pid = None
-        timed_out = False
+    def report_object(self) -> Report | None:
+        """The failure's :class:`~versionwatch.Report`, as the child made it (plain data)."""
+        if not self.report_pickle:
+            return None
         try:
-            while True:
-                left = deadline - time.monotonic()
-                try:
-                    message = q.get(timeout=max(left, 0.01) if not timed_out else None)
-                except queue.Empty:
-                    timed_out = True
-                    if pid is not None:
-                        _kill(pid)
-                    continue
-                if "pid" in message:
-                    pid = message["pid"]
-                    if timed_out:
-                        _kill(pid)
-                elif "exit" in message:
-                    return int(message["exit"]), timed_out
-        finally:
-            with self.lock:
-                del self.answers[rid]
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            _kill(self.proc.pid)
-            self.proc.wait()
-
-
-def _kill(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+            # Our own child wrote it, for this process: trusted as the program is.
+            report = pickle.loads(base64.b64decode(self.report_pickle))
+        except Exception:
+            return None
+        return report if isinstance(report, Report) else None
 
 
 def run_child(program: list[str], *, scratch: dict[str, str] | None = None,
@@ -177,14 +98,15 @@ def run_child(program: list[str], *, scratch: dict[str, str] | None = None,
                        "grads_at": list(grads_at), "out": out, "cwd": os.getcwd()}, f)
         err_path = spec_path[:-5] + ".err"
         start = time.monotonic()
-        if server is not None:
-            code, timed_out = server.run(spec_path, err_path, timeout)
+        answer = server.run(spec_path, err_path, timeout) if server is not None else None
+        if answer is not None:
+            code, timed_out = answer
         else:
             with open(err_path, "wb") as err:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "versionwatch._fix_child", spec_path],
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                    env=_environment(), start_new_session=True)
+                    env=environment(), start_new_session=True)
                 timed_out = False
                 try:
                     proc.wait(timeout=timeout)

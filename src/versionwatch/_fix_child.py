@@ -25,12 +25,15 @@ variable): the same names in the original and a patched run.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
 import os
+import pickle
 import runpy
 import sys
 import threading
@@ -42,6 +45,9 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
+
+from versionwatch._compat import is_compiling
+from versionwatch._sites import is_library
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OUR_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -89,10 +95,15 @@ class ScratchFinder(importlib.abc.MetaPathFinder):
             submodule_search_locations=spec.submodule_search_locations)
 
 
+def _library(name: str) -> bool:
+    """A frame of torch, of ours, or of a training library (Lightning, Accelerate,
+    pytest): as the watcher's sites skip them, so that the user's line is found."""
+    return name.startswith(_SKIP) or name.startswith("<frozen") or is_library(name)
+
+
 def _user_frame(frame: FrameType | None) -> FrameType | None:
     while frame is not None:
-        name = frame.f_code.co_filename
-        if not (name.startswith(_SKIP) or name.startswith("<frozen")):
+        if not _library(frame.f_code.co_filename):
             return frame
         frame = frame.f_back
     return None
@@ -109,7 +120,7 @@ def _leaf_names(frame: FrameType | None) -> dict[int, tuple[str, torch.Tensor]]:
 
     while frame is not None:
         code = frame.f_code.co_filename
-        if not (code.startswith(_SKIP) or code.startswith("<frozen")):
+        if not _library(code):
             for scope in (frame.f_locals, frame.f_globals):
                 if id(scope) in seen_scopes:
                     continue
@@ -137,6 +148,18 @@ def _seq_clock() -> int:
         probe = torch.empty(0, requires_grad=True).view(0)
     fn = probe.grad_fn
     return int(fn._sequence_nr()) if fn is not None else 0
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """A fake or functional tensor: torch tracing a graph, not the program computing."""
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return False
+    if type(t).__module__.startswith("torch._subclasses"):  # FakeTensor, FunctionalTensor
+        return True
+    functional = getattr(torch._C, "_is_functional_tensor", None)
+    return bool(is_fake(t)) or (functional is not None and bool(functional(t)))
 
 
 def _tensors(value: Any) -> tuple[torch.Tensor, ...]:
@@ -183,6 +206,30 @@ class Tracker:
         register_optimizer_step_pre_hook(self._step_pre)
         register_optimizer_step_post_hook(self._step_post)
 
+    def install_checks(self) -> None:
+        """A ``check()`` or ``assert_backward_safe()`` that finds a hazard is the failure.
+
+        The program asks before its backward (``examples/seed_story.py`` does, and
+        catches the error): the backward it asked about is the one that fails,
+        whether or not the program goes on to run it. ``assert_backward_safe``
+        calls ``check`` through its module's global, so one wrapper sees both.
+        """
+        import versionwatch
+        from versionwatch import _predict
+
+        inner = _predict.check
+
+        @functools.wraps(inner)
+        def check(*args: Any, **kwargs: Any) -> Any:
+            report = inner(*args, **kwargs)
+            if not report.ok and not getattr(self.local, "depth", 0):
+                self.predicted(report, sys._getframe(1))
+            return report
+
+        _predict.check = check
+        versionwatch.check = check  # the lazy attribute, set before the program reads it
+        versionwatch.assert_backward_safe = _predict.assert_backward_safe
+
     def _label(self, opt: torch.optim.Optimizer) -> str:
         label = self.labels.get(id(opt))
         if label is None:
@@ -210,9 +257,14 @@ class Tracker:
 
     def _wrap(self, inner: Any, at: int, first: str, inputs_at: int) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if getattr(self.local, "depth", 0):  # a backward inside a backward
+            # A backward inside a backward, or torch.compile tracing one (AOTAutograd's
+            # joint graph, on fake tensors): none of the program's own backwards.
+            if getattr(self.local, "depth", 0) or is_compiling():
                 return inner(*args, **kwargs)
             roots = args[at] if len(args) > at else kwargs.get(first)
+            if isinstance(roots, (torch.Tensor, list, tuple)) and any(
+                    _traced(t) for t in _tensors(roots)):
+                return inner(*args, **kwargs)  # older torch: is_compiling() is False there
             if roots is not None and not isinstance(roots, (torch.Tensor, list, tuple)):
                 roots = tuple(roots)  # an iterator: read once, here
                 if len(args) > at:
@@ -308,6 +360,19 @@ class Tracker:
         return sorted(reach), [[k, v] for k, v in sorted(stale.items())]
 
     # -- the end -----------------------------------------------------------------
+    def predicted(self, report: Any, frame: FrameType | None) -> NoReturn:
+        """A hazard found before any backward ran (``check()``, or a watcher at a write):
+        the failure of the next backward, at the line that found it."""
+        from versionwatch._predict import raise_for
+
+        k = self.n + 1
+        self.records.append({"n": k, "site": self._site(_user_frame(frame)), "before": True})
+        try:
+            raise_for(report)
+        except Exception as e:
+            self.fail(k, e)
+        raise AssertionError("raise_for raised nothing for a report with hazards")
+
     def fail(self, k: int, err: BaseException) -> NoReturn:
         from versionwatch._errors import FreedGraphError, InplaceModificationError
 
@@ -323,6 +388,10 @@ class Tracker:
                            "tensor": h.tensor or h.describe_tensor()}
             r["report"] = report.to_dict()
             r["text"] = str(report)
+            try:  # the report itself, for FixResult.report (plain data: it pickles)
+                r["report_pickle"] = base64.b64encode(pickle.dumps(report)).decode("ascii")
+            except Exception as e:  # the dict above stands without it
+                r["report_pickle_error"] = repr(e)
             try:
                 r["facts"] = from_report(report).to_dict()
             except Exception as e:  # facts are a help; the record stands without them
@@ -337,7 +406,21 @@ class Tracker:
         self.finish(r["status"], 1)
 
     def error(self, err: BaseException) -> NoReturn:
+        from versionwatch._errors import FreedGraphError, InplaceModificationError
+
         tb = traceback.extract_tb(err.__traceback__)
+        if isinstance(err, (InplaceModificationError, FreedGraphError)) and getattr(
+                err, "report", None) is not None:
+            # Raised outside any backward (a watcher at a write, a check the program
+            # made): the hazard of the next backward, at the program's line.
+            user = [fr for fr in tb if not fr.filename.startswith(_SKIP)]
+            site = None
+            if user:
+                name = user[-1].filename
+                site = [self.back.get(name, name), user[-1].lineno, name in self.back]
+            k = self.n + 1
+            self.records.append({"n": k, "site": site, "before": True})
+            self.fail(k, err)
         site = None
         for fr in reversed(tb):
             if not fr.filename.startswith(_SKIP):
@@ -362,7 +445,13 @@ class Tracker:
         self.result["records"] = self.records
         self.result["steps"] = self.step_log
         tmp = self.out + ".tmp"
-        torch.save(self.result, tmp)
+        try:
+            torch.save(self.result, tmp)
+        except Exception as e:  # a tensor we kept cannot be saved: the record without values
+            self.result["records"] = [{k: v for k, v in r.items() if k not in ("loss", "grads")}
+                                      for r in self.records]
+            self.result["record_error"] = repr(e)
+            torch.save(self.result, tmp)
         os.replace(tmp, self.out)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
@@ -412,6 +501,8 @@ def main(argv: Sequence[str]) -> int:
         watcher = versionwatch.watch_all(on_hazard="raise", strict=spec.get("watch") == "strict")
     tracker = Tracker(spec, scratch)
     tracker.install()  # after the watcher's own wrappers: it sees every backward first
+    if watcher is not None:
+        tracker.install_checks()
     context: Any = contextlib.nullcontext()
     if spec.get("allow_mutation"):
         context = torch.autograd.graph.allow_mutation_on_saved_tensors()
@@ -430,7 +521,8 @@ def main(argv: Sequence[str]) -> int:
                 _run_main(program[0], scratch)
     except SystemExit as e:
         code_ = e.code
-        status = code_ if isinstance(code_, int) else (0 if code_ is None else 1)
+        # int() of an IntEnum (pytest.ExitCode): the record holds plain data only
+        status = int(code_) if isinstance(code_, int) else (0 if code_ is None else 1)
         tracker.result = {"status": "exited" if status else "completed", "exit": status}
         tracker.finish("exited", status)
     except BaseException as e:
@@ -440,73 +532,5 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def serve() -> int:
-    """Fork a run for each request on stdin: torch is imported once, not once a run.
-
-    A request is a line of JSON, ``{"id": N, "spec": PATH, "err": PATH}``; the
-    answers, one JSON line each on stdout, are ``{"id": N, "pid": PID}`` when the
-    run starts and ``{"id": N, "exit": STATUS}`` when it ends (a negative status:
-    killed by that signal). A run is its own session (its process group is its
-    pid), so that a time-out ends it with whatever it started. One thread only,
-    so that nothing is held locked across a fork. Ends when stdin closes and the
-    last run has ended.
-    """
-    import select
-
-    # Imported once here for every run: what a run imports anyway, no state.
-    import torch._dynamo  # noqa: F401  (what an optimizer's first step() imports)
-
-    import versionwatch._auto
-    import versionwatch._fix_facts
-    import versionwatch._strict  # noqa: F401
-
-    stdin, stdout = sys.stdin.fileno(), sys.stdout.fileno()
-    buffer = b""
-    running: dict[int, int] = {}  # pid -> request id
-    open_ = True
-
-    def say(message: dict[str, Any]) -> None:
-        data = (json.dumps(message) + "\n").encode()
-        while data:
-            data = data[os.write(stdout, data):]
-
-    while open_ or running:
-        ready, _, _ = select.select([stdin] if open_ else [], [], [], 0.05)
-        if ready:
-            chunk = os.read(stdin, 65536)
-            if not chunk:
-                open_ = False
-            buffer += chunk
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                request = json.loads(line)
-                pid = os.fork()
-                if pid == 0:  # the run
-                    code = 70
-                    try:
-                        os.setsid()
-                        null = os.open(os.devnull, os.O_RDWR)
-                        err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                        os.dup2(null, 0)
-                        os.dup2(null, 1)
-                        os.dup2(err, 2)
-                        code = main([request["spec"]])
-                    finally:
-                        os._exit(code)
-                running[pid] = request["id"]
-                say({"id": request["id"], "pid": pid})
-        while running:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            code = os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") \
-                else (status >> 8)
-            say({"id": running.pop(pid), "exit": code})
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(serve() if sys.argv[1:] == ["--serve"] else main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

@@ -54,12 +54,13 @@ class Line:
         return cls(str(d["file"]), int(d["line"]), str(d.get("code") or ""))
 
 
-def shown(file: str) -> str:
-    """``file`` as the fix output shows it: relative to the working directory when under it."""
+def shown(file: str, base: str | None = None) -> str:
+    """``file`` as the fix output shows it: relative to the working directory (or
+    ``base``) when under it."""
     if file.startswith("<"):
         return file
     try:
-        rel = os.path.relpath(file)
+        rel = os.path.relpath(file, base) if base else os.path.relpath(file)
     except (OSError, ValueError):
         return file
     return file if rel.startswith("..") else rel
@@ -197,6 +198,7 @@ class FixFacts:
 
 
 _OP = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\(\)")
+_STEP_CALL = re.compile(r"^[\w.\[\]]+\.step\(\s*\)")
 
 
 def _line(site: Site | None) -> Line | None:
@@ -208,11 +210,26 @@ def _line(site: Site | None) -> Line | None:
     return Line(file if file.startswith("<") else os.path.abspath(file), site.line, site.code)
 
 
+def _sites(m: Any) -> list[Line]:
+    """A modification's user lines, outermost first: its full stack where the report has
+    one (a ``no_grad`` update in a helper: the call in the loop, then the write), else
+    its own line."""
+    lines = [_line(s) for s in getattr(m, "stack", None) or () if isinstance(s, Site)]
+    own = _line(m.site)
+    found = [ln for ln in lines if ln is not None]
+    if own is not None and own not in found:
+        found.append(own)
+    return found
+
+
 def from_report(report: Report, hazard: Hazard | None = None) -> FixFacts:
     """The facts a watcher's report gives about ``hazard`` (default: the first).
 
     Call it in the process that made the report, in the working directory the
     program had: a :class:`~versionwatch.Site` shows its file relative to it.
+    Facts a report of this release may lack (the carrier, what ran between two
+    backwards, where a module was built) are read when present; the engine
+    derives what it can from the source otherwise.
     """
     h = hazard if hazard is not None else report.hazards[0]
     named = bool(h.tensor)
@@ -220,28 +237,39 @@ def from_report(report: Report, hazard: Hazard | None = None) -> FixFacts:
     update: list[Line] = []
     for m in h.modified_by:
         site = _line(m.site)
+        writer = m.writer  # inside a library module's forward: that module
+        if writer is not None and writer.built_at is not None and built is None:
+            built = _line(writer.built_at)
+            cls = writer.class_name or writer.text.split("(", 1)[0] or None
         if m.kind == "optimizer.step" and step is None:
             step = site
         elif m.kind == "inplace_op" and site is not None:
             match = _OP.match(m.description)
-            if "step()" in m.description and step is None:
-                step = site  # strict mode records a step's writes as the step
+            if ("step()" in m.description or _STEP_CALL.search(site.code)) and step is None:
+                # Strict mode records a step's writes as the step, or (an optimizer
+                # it did not adopt, Lightning's) as the op, at the step's line.
+                step = site
             elif named:
-                # The user's frames of the write, outermost first (strict mode's
-                # stack): the loop's call of a helper, then the write in it.
-                frames = [f for s in m.stack if (f := _line(s)) is not None] or [site]
-                update.extend(frames)
+                update.extend(_sites(m))
             elif write is None:
                 write = site
                 op = match.group(1) if match else None
-                if m.writer is not None:  # inside a library module's forward: that module
-                    built = _line(m.writer.built_at)
-                    cls = m.writer.class_name or None
     freed_by = h.freed_by.site if h.freed_by is not None else None
-    c = h.carrier
-    use: Use | None = None
-    if c is not None and c.role is not None:
-        use = "data" if c.role == "data" else "forward"
+    carried = h.carried_by or None
+    made = use = between = None
+    carrier = h.carrier
+    if carrier is not None:
+        carried = carried or carrier.name or None
+        made = _line(carrier.site) if carrier.name else None
+        use = {"data": "data", "state": "forward", "input": "forward"}.get(carrier.role or "")
+    gap = h.between
+    if gap is not None:
+        events = list(gap.events)
+        steps = [e for e in events if e.kind == "optimizer.step"
+                 or (e.kind == "inplace_op" and "step()" in e.description)]
+        between = "step" if steps else ("write" if events else "nothing")
+        if step is None and steps:
+            step = _line(steps[0].site)
     return FixFacts(
         kind=h.kind,
         tensor=h.tensor if named else None,
@@ -256,7 +284,8 @@ def from_report(report: Report, hazard: Hazard | None = None) -> FixFacts:
         module_class=cls,
         step=step,
         update=tuple(dict.fromkeys(update)),
-        carried=h.carried_by or None,
-        carried_made=_line(c.site) if c is not None and c.name else None,
-        carried_use=use,
+        carried=carried,
+        carried_made=made,
+        carried_use=use,  # type: ignore[arg-type]
+        between=between,  # type: ignore[arg-type]
     )

@@ -6,6 +6,9 @@
 - ``@pytest.mark.versionwatch(on_hazard="raise", strict=False, stop_at_write=False)``:
   watch chosen tests only.
 - the ``versionwatch`` fixture: yields the test's watcher (one is opened if needed).
+- ``pytest --versionwatch-fix``: a test that fails on a hazard (predicted, or PyTorch's
+  own error) gets ``versionwatch fix``'s best verified patch in its report: the
+  test is run again as ``python -m pytest NODEID`` with each patch (docs/fix.md).
 
 This module imports neither torch nor versionwatch at pytest start-up; only a
 test that is watched pays for the import.
@@ -33,6 +36,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     "is caught at its line)")
     group.addoption("--versionwatch-on-hazard", choices=POLICIES,
                     default="raise", help="what a hazard does under --versionwatch")
+    group.addoption("--versionwatch-fix", action="store_true", default=False,
+                    help="a test that fails on a hazard gets versionwatch fix's best verified "
+                    "patch in its report (the test runs again once per candidate patch)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -134,3 +140,63 @@ def versionwatch_fixture(request: pytest.FixtureRequest) -> Any:
     """The test's watcher (opened for this test if the test isn't watched already)."""
     item = request.node
     return _open(item, _policy(item) or ("raise", False, False))
+
+
+# PyTorch's own sentences for the two failures versionwatch fixes.
+_SENTENCES = ("modified by an inplace operation", "backward through the graph a second time")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None],
+                              ) -> Generator[None, Any, None]:
+    outcome = yield
+    if not item.config.getoption("versionwatch_fix") or call.when != "call" \
+            or call.excinfo is None:
+        return
+    err = call.excinfo.value
+    if not isinstance(err, RuntimeError) or not any(s in str(err) for s in _SENTENCES):
+        return
+    report = outcome.get_result()
+    try:
+        text = _fix_test(item, err)
+    except Exception as e:  # the test's own failure stands; say why there is no patch
+        text = f"versionwatch fix could not run: {type(e).__name__}: {e}"
+    report.sections.append(("versionwatch fix", text))
+
+
+def _fix_test(item: pytest.Item, err: BaseException) -> str:
+    """``versionwatch fix`` on ``python -m pytest NODEID``: the best verified patch, as text."""
+    import os
+
+    from versionwatch._fix import fix
+    from versionwatch._fix_facts import shown
+
+    root = str(item.config.rootpath)
+    program = ["-m", "pytest", item.nodeid, "-q", "-p", "no:cacheprovider",
+               # Test modules imported as they are, not rewritten by pytest from the
+               # original file: each check imports the patched copy.
+               "--assert=plain"]
+    here = os.getcwd()
+    os.chdir(root)
+    try:
+        result = fix(program)
+        lines = []
+        if result.status != "checked":
+            lines.append(f"no patch: the test, run again, gave {result.status.replace('_', ' ')}")
+        elif not result.verified:
+            lines.append("no patch was verified:")
+            lines += [f"  {c.family} at {shown(c.file)}:{c.line}: {c.why}"
+                      for c in result.candidates]
+        else:
+            best = result.verified[0]
+            lines += [f"verified: {best.summary}", f"  {best.why}", best.diff.rstrip("\n")]
+            more = len(result.verified) - 1
+            if more:
+                lines.append(f"({more} more verified: `versionwatch fix -m pytest "
+                             f"{item.nodeid} --assert=plain` shows them)")
+    finally:
+        os.chdir(here)
+    own = getattr(err, "report", None)
+    if own is not None and own.hazards and result.report is not None and result.report.hazards:
+        own.hazards[0].fixes = result.report.hazards[0].fixes  # for whoever reads the error
+    return "\n".join(lines)

@@ -260,6 +260,42 @@ class Between:
     discards_grad: bool | None = None
 
 
+@dataclass(frozen=True)
+class Fix:
+    """A patch of the user's own lines for a hazard, made by ``versionwatch fix``.
+
+    Attributes:
+        family: the kind of edit (``"out_of_place"``, ``"inplace_false"``,
+            ``"move_step"``, ... : see docs/fix.md).
+        summary: one line on what it changes.
+        file: the file it edits (relative to the working directory when under it).
+        line: the first line it changes there.
+        old: the lines it replaces; ``new``: what replaces them.
+        diff: a unified diff (``git apply`` takes it).
+        checked: a run of the patched program checked it.
+        verified: that run found the hazard gone and the program further on,
+            with no other error and no gradient it trains with lost.
+        keeps_values: the check found the losses and gradients bitwise the
+            original run's (the values the program meant).
+        why: the check's finding, or why it was rejected, in one line.
+    """
+
+    family: str
+    summary: str
+    file: str
+    line: int
+    old: str
+    new: str
+    diff: str
+    checked: bool = False
+    verified: bool = False
+    keeps_values: bool = False
+    why: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 def _site(site: Site | None) -> dict[str, Any] | None:
     return None if site is None else {"file": site.file, "line": site.line, "code": site.code}
 
@@ -345,6 +381,8 @@ class Hazard:
         compiled_forward: when ``node`` is a compiled region's
             (``CompiledFunctionBackward``): the ``def`` line of the compiled
             module's ``forward``, when known.
+        fixes: patches of the user's lines for this hazard (:class:`Fix`),
+            verified ones first; filled by ``versionwatch fix``, empty otherwise.
         key: ``id()`` of the named tensor (the base, for a view); internal.
         seq: the saving node's autograd sequence number; internal.
     """
@@ -379,6 +417,7 @@ class Hazard:
     carrier: Carrier | None = None
     between: Between | None = None
     compiled_forward: Site | None = None
+    fixes: list[Fix] = field(default_factory=list, compare=False)
     key: int | None = field(default=None, repr=False, compare=False)
     seq: int | None = field(default=None, repr=False, compare=False)
 
@@ -474,6 +513,7 @@ class Hazard:
             "events": [_modification(m) for m in b.events],
             "changes_saved": b.changes_saved, "discards_grad": b.discards_grad}
         d["compiled_forward"] = _site(self.compiled_forward)
+        d["fixes"] = [f.to_dict() for f in self.fixes]
         return d
 
 

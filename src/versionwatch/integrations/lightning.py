@@ -84,6 +84,11 @@ class VersionWatch(pl.Callback):
             ``$VERSIONWATCH_ON_HAZARD`` overrides it.
         log_timeline: log the version timeline at the end of fit and on a hazard.
         name: the root of the tensor names (``"model"`` gives ``model.fc.weight``).
+        fix: on a hazard that stops the fit, also log the patches of your lines
+            that ``versionwatch fix`` would check (made from the report, not
+            checked: running ``versionwatch fix train.py`` checks each one by
+            running the patched program), and put them in the report's
+            ``hazards[0].fixes``.
 
     Attributes:
         watcher: the :class:`~versionwatch.Watcher` of the current (or last) fit,
@@ -97,6 +102,7 @@ class VersionWatch(pl.Callback):
         log_timeline: bool = True,
         *,
         name: str = "model",
+        fix: bool = False,
     ) -> None:
         super().__init__()
         resolve_policy(on_hazard)  # a bad policy fails here, not in the middle of fit
@@ -105,6 +111,7 @@ class VersionWatch(pl.Callback):
         self.on_hazard = on_hazard
         self.log_timeline = log_timeline
         self.name = name
+        self.fix = bool(fix)
         self.watcher: Watcher | None = None
         self._open = False
         self._steps = 0
@@ -189,6 +196,8 @@ class VersionWatch(pl.Callback):
                 logger.error("versionwatch: fit stopped before backward ran: %s%s",
                              headline.removeprefix("versionwatch: "),
                              self._timeline_text(w, report))
+                if self.fix:
+                    self._log_fixes(report)
                 return
             if isinstance(err, RuntimeError) and _INPLACE_PHRASE in str(err):
                 notes = _notes(err)
@@ -210,6 +219,27 @@ class VersionWatch(pl.Callback):
                 else:
                     logger.error("%s%s", notes[-1], self._timeline_text(w, latest))
                 return
+
+    def _log_fixes(self, report: Report) -> None:
+        """The patches ``versionwatch fix`` would check, unchecked, into the report and the log."""
+        import os
+        import sys
+
+        from versionwatch._fix import unchecked
+
+        main = sys.argv[0] if sys.argv and os.path.isfile(sys.argv[0]) else None
+        fixes = unchecked(report, main=os.path.abspath(main) if main else None)
+        if report.hazards:
+            report.hazards[0].fixes = fixes
+        offered = [f for f in fixes if "only hides" not in f.why]  # not the hiders
+        if not offered:
+            logger.error("versionwatch: no patch of your lines for it; the report's fix says "
+                         "what to change")
+            return
+        first = offered[0]
+        more = f" ({len(offered) - 1} more in the report's fixes)" if len(offered) > 1 else ""
+        logger.error("versionwatch: a patch for it, %s%s:\n%s\n%s", first.why, more,
+                     first.summary, first.diff.rstrip("\n"))
 
     def _timeline_text(self, w: Watcher, report: Report | None) -> str:
         if not self.log_timeline:
