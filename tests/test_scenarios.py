@@ -482,5 +482,26 @@ def test_check_never_runs_a_custom_backward_inside_copyslices(oracle):
     r = versionwatch.check(h.sum())
     assert DoubleInPlace.calls == 0, "check() ran user code"
     assert r.ok and r.unverifiable == [("torch::autograd::CopySlices", "fn")]
+    # Not "behind saved_tensors_hooks": no hook is involved (the old text said so).
+    assert str(r).endswith(
+        ", 1 not verifiable (an in-place custom Function on a view (CopySlices), not run)")
     oracle.backward(h.sum())
     assert DoubleInPlace.calls == 1
+
+
+def test_unverifiable_reasons_are_counted_each(oracle):
+    x = leaf(3)
+    h = x.clone()
+    DoubleInPlace.apply(h[:2])
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        y = (h.exp() * 2).sum()
+    r = versionwatch.check(y)
+    assert r.ok and r.unverifiable == [("ExpBackward0", "result"),
+                                       ("torch::autograd::CopySlices", "fn")]
+    assert str(r).endswith(
+        ", 2 not verifiable (1 behind saved_tensors_hooks; "
+        "1 an in-place custom Function on a view (CopySlices), not run)")
+    assert [u["why"] for u in r.to_dict()["unverifiable"]] == [
+        "behind saved_tensors_hooks",
+        "an in-place custom Function on a view (CopySlices), not run"]
+    oracle.backward(y)

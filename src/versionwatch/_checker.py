@@ -29,11 +29,18 @@ from versionwatch._compat import (
     USER_FN_ATTR,
     HookedSaved,
     SavedTensor,
+    clears_on_access,
     input_metadata,
     peek,
     zero_grads,
 )
-from versionwatch._report import Hazard
+from versionwatch._report import (
+    UNSURE_CHECKPOINT,
+    UNSURE_CLEARS,
+    UNSURE_COPY_SLICES,
+    UNSURE_ERROR,
+    Hazard,
+)
 from versionwatch._runtime import Anchor, Patch
 from versionwatch._slots import COPY_SLICES, CUSTOM, PLANS, hooked, is_trusted, plan_of, planned
 from versionwatch._strict_records import RECORDS as _RECORDS
@@ -117,6 +124,8 @@ class Checker:
     def __init__(self, silent: dict[int, int] | None = None) -> None:
         self.findings: list[Finding] = []
         self.unverifiable: list[tuple[str, str]] = []
+        # (node, slot) -> why, for what is unverifiable but not behind hooks.
+        self.why: dict[tuple[str, str], str] = {}
         self.checked = 0
         # id(tensor) -> sequence number after its last write that bumped no version.
         self.silent = silent
@@ -195,7 +204,12 @@ class Checker:
             if len(self.findings) > before and _RECORDS:
                 _strict_writes(self.findings[-1].hazard, input_metadata(fn))
         except Exception:
-            self.unverifiable.append((fn.name(), "fn"))
+            self._unsure(fn.name(), "fn", UNSURE_COPY_SLICES)
+
+    def _unsure(self, node: str, slot: str, why: str) -> None:
+        """Count ``(node, slot)`` as not verifiable for a reason other than hooks."""
+        self.unverifiable.append((node, slot))
+        self.why[(node, slot)] = why
 
     def _other(self, i: int, fn: Node, slot: str, raw: Any, saved_attr: str) -> None:
         """A slot that is not one plain saved tensor: empty, a list, or hooked."""
@@ -303,7 +317,7 @@ class Checker:
         if fn.name() == "CheckpointFunctionBackward":
             # A reentrant checkpoint's backward reruns its forward and a backward
             # of its own, which no walk of this graph can see: count it.
-            self.unverifiable.append((fn.name(), "recomputed forward"))
+            self._unsure(fn.name(), "recomputed forward", UNSURE_CHECKPOINT)
         try:
             raws = fn._raw_saved_tensors
         except RuntimeError as e:
@@ -318,6 +332,11 @@ class Checker:
                 return
             name = fn.name()
             self.unverifiable += [(name, f"saved_tensors[{k}]") for k in range(len(raws))]
+            return
+        if clears_on_access(fn):
+            # Reading ctx.saved_tensors would clear them: the backward would then
+            # fail. Left unread, as the native helper leaves it.
+            self._unsure(fn.name(), "saved_tensors", UNSURE_CLEARS)
             return
         try:
             # Unpacks in order with the node, as ctx.saved_tensors does in backward.
@@ -356,7 +375,7 @@ class Checker:
             return
         m = VERSION_RE.search(msg)
         if m is None:
-            self.unverifiable.append((fn.name(), slot))
+            self._unsure(fn.name(), slot, UNSURE_ERROR)
             return
         producer_m = PRODUCER_RE.search(msg)
         h = Hazard(
@@ -407,7 +426,10 @@ class BlindChecker(Checker):
                 self._copy_slices(i, fn)
                 continue
             if type(fn).__name__ == "CheckpointFunctionBackward":
-                self.unverifiable.append((fn.name(), "recomputed forward"))
+                self._unsure(fn.name(), "recomputed forward", UNSURE_CHECKPOINT)
+            if plan is CUSTOM and clears_on_access(fn):
+                self._unsure(fn.name(), "saved_tensors", UNSURE_CLEARS)
+                continue
             for slot, raw_attr, saved_attr in plan:
                 self._peek_slot(i, fn, slot, raw_attr, saved_attr)
 

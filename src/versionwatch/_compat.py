@@ -16,6 +16,10 @@ where a feature is missing:
 - ``USER_FN_ATTR``: the method of ``BackwardCFunction`` that a custom
   Function's backward goes through (``_get_user_fn`` on new torch, ``apply``
   on old), which the predictor swaps to refuse running user code.
+- ``CLEARS_ON_ACCESS``: a custom Function can ask PyTorch to drop its saved
+  tensors at the first read of ``ctx.saved_tensors``
+  (``clear_saved_tensors_on_access``); :func:`clears_on_access` tells such a
+  node, whose saved tensors the predictor must never read.
 """
 
 from __future__ import annotations
@@ -39,6 +43,22 @@ SAVED_UNPACK: bool = hasattr(SavedTensor, "unpack")
 
 USER_FN_ATTR: str = "_get_user_fn" if hasattr(BackwardCFunction, "_get_user_fn") else "apply"
 """``BackwardCFunction``'s method that every custom backward call goes through."""
+
+CLEARS_ON_ACCESS: bool = hasattr(torch.autograd.Function, "clear_saved_tensors_on_access")
+"""A custom Function can have its saved tensors cleared at their first read."""
+
+
+def clears_on_access(fn: Any) -> bool:
+    """Whether reading ``fn.saved_tensors`` (a custom Function's node) would clear them.
+
+    PyTorch copies the Function class's flag into the node when it runs the
+    forward; the class is the node's ``_forward_cls``.
+    """
+    if not CLEARS_ON_ACCESS:
+        return False
+    cls = getattr(type(fn), "_forward_cls", None)
+    return getattr(cls, "clear_saved_tensors_on_access", False) is True
+
 
 storage_address: Callable[[torch.Tensor], int] | None = getattr(
     torch._C, "_storage_address", None)

@@ -14,6 +14,7 @@ import tokenize
 
 from versionwatch import _dot  # noqa: F401  (loads and registers the Graphviz renderer)
 from versionwatch._report import (
+    UNSURE_HOOKS,
     Hazard,
     Report,
     Writer,
@@ -518,7 +519,7 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
             f"{report.saved_checked} saved tensors checked"
         )
         if report.unverifiable:
-            text += f", {len(report.unverifiable)} not verifiable (behind saved_tensors_hooks)"
+            text += f", {len(report.unverifiable)} not verifiable ({_unsure_why(report)})"
         return text
     lines = [_headline(report, h)]
     facts = _facts(h, report)
@@ -549,11 +550,23 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
         if len(others) > 5:
             lines.append(f"    ... and {sum(c for _, c in others[5:])} more")
     if report.unverifiable:
+        why = _unsure_why(report)
         lines.append(
             f"  note: {len(report.unverifiable)} saved tensors are behind saved_tensors_hooks "
-            "and were not verified"
-        )
+            "and were not verified" if why == UNSURE_HOOKS
+            else f"  note: {len(report.unverifiable)} not verified ({why})")
     return "\n".join(lines)
+
+
+def _unsure_why(report: Report) -> str:
+    """Why the unverifiable were not verified: one reason, else each with its count."""
+    counts: dict[str, int] = {}
+    for node, slot in report.unverifiable:
+        why = report.why_unverifiable(node, slot)
+        counts[why] = counts.get(why, 0) + 1
+    if len(counts) == 1:
+        return next(iter(counts))
+    return "; ".join(f"{n} {why}" for why, n in counts.items())
 
 
 register_renderer("text", render_report)

@@ -199,6 +199,7 @@ def _predict(
             count = sum(executed)
         report = Report(
             unverifiable=checker.unverifiable,
+            unverifiable_why=checker.why,
             nodes=count,
             saved_checked=checker.checked,
         )

@@ -657,6 +657,19 @@ class Repair:
                 "line": self.site.line if self.site else None}
 
 
+# Why a saved tensor (or a node) was not verified: the words of the report.
+UNSURE_HOOKS = "behind saved_tensors_hooks"
+"""Behind an unpack hook that is not ours: reading it would run user code."""
+UNSURE_CHECKPOINT = "a reentrant checkpoint reruns its forward"
+"""A reentrant checkpoint's backward runs a forward and a backward no walk can see."""
+UNSURE_COPY_SLICES = "an in-place custom Function on a view (CopySlices), not run"
+"""CopySlices wraps a custom Function, whose backward (user code) the check never runs."""
+UNSURE_CLEARS = "cleared on first read (clear_saved_tensors_on_access)"
+"""A custom Function whose saved tensors PyTorch drops at their first read."""
+UNSURE_ERROR = "PyTorch's check raised an error that names no version"
+"""Reading the slot raised something that is not PyTorch's version check."""
+
+
 @dataclass
 class Report:
     """What a backward would do, predicted before it runs.
@@ -666,9 +679,13 @@ class Report:
     Attributes:
         hazards: the failures, in the order the backward would meet them;
             ``hazards[0]`` is the one PyTorch would raise.
-        unverifiable: ``(node, slot)`` of saved tensors behind user
-            ``saved_tensors_hooks`` (``save_on_cpu``, checkpointing, ...), which
-            the predictor never unpacks since that could run user code.
+        unverifiable: ``(node, slot)`` of what the predictor did not verify:
+            saved tensors behind user ``saved_tensors_hooks`` (``save_on_cpu``,
+            non-reentrant checkpointing, ...), which it never unpacks since
+            that could run user code, and the others of :attr:`unverifiable_why`.
+        unverifiable_why: why, for each entry of :attr:`unverifiable` that is
+            not behind hooks (:data:`UNSURE_HOOKS`): :data:`UNSURE_CHECKPOINT`,
+            :data:`UNSURE_COPY_SLICES`, :data:`UNSURE_CLEARS`, :data:`UNSURE_ERROR`.
         nodes: how many autograd nodes the backward would execute.
         saved_checked: how many saved tensors were verified.
         backward_site: the user's backward call, when a watcher knows it.
@@ -694,6 +711,7 @@ class Report:
 
     hazards: list[Hazard] = field(default_factory=list)
     unverifiable: list[tuple[str, str]] = field(default_factory=list)
+    unverifiable_why: dict[tuple[str, str], str] = field(default_factory=dict)
     nodes: int = 0
     saved_checked: int = 0
     backward_site: Site | None = None
@@ -712,6 +730,10 @@ class Report:
     def first(self) -> Hazard | None:
         """The hazard backward meets first, or ``None``."""
         return self.hazards[0] if self.hazards else None
+
+    def why_unverifiable(self, node: str, slot: str) -> str:
+        """Why ``(node, slot)`` of :attr:`unverifiable` was not verified, in a few words."""
+        return self.unverifiable_why.get((node, slot), UNSURE_HOOKS)
 
     def __str__(self) -> str:
         return _render(self, "text")
@@ -733,7 +755,8 @@ class Report:
             "schema": SCHEMA,
             "ok": self.ok,
             "hazards": hazards,
-            "unverifiable": [{"saved_by": n, "slot": s} for n, s in self.unverifiable],
+            "unverifiable": [{"saved_by": n, "slot": s, "why": self.why_unverifiable(n, s)}
+                             for n, s in self.unverifiable],
             "nodes": self.nodes,
             "saved_checked": self.saved_checked,
             "timeline": timeline,
