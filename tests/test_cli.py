@@ -10,8 +10,11 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from side_by_side import run_all
 
 SEED = textwrap.dedent("""\
     import sys
@@ -442,22 +445,23 @@ def test_script_from_standard_input(tmp_path: Path):
         raise SystemExit(4)
     """)
 
-    def run(*argv: str, src: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, *argv], input=src, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=120)
+    def run(*argv: str, src: str) -> tuple[list[str], dict[str, Any]]:
+        return [sys.executable, *argv], {"input": src, "cwd": tmp_path}
 
-    plain = run("-", "a", "--b", src=probe)
+    # Four independent runs, side by side (each writes its own report).
+    plain, r, plain2, r2 = run_all(
+        run("-", "a", "--b", src=probe),
+        run("-m", "versionwatch", "run", "--json", "o.json", "-", "a", "--b", src=probe),
+        run("-", src=SEED),
+        run("-m", "versionwatch", "run", "--replay", "--json", "o2.json", "-", src=SEED))
     assert plain.returncode == 4 and "['-', 'a', '--b'] '' __main__ <stdin> None" in plain.stdout
-    r = run("-m", "versionwatch", "run", "--json", "o.json", "-", "a", "--b", src=probe)
     assert (r.returncode, r.stdout) == (4, plain.stdout), r.stderr
     assert "1 backward(s) watched, no hazard" in r.stderr
     assert json.loads((tmp_path / "o.json").read_text())["target"] == "-"
     # A hazard: the traceback's file is <stdin>, and --replay feeds the source to its child.
-    plain = run("-", src=SEED)
-    r = run("-m", "versionwatch", "run", "--replay", "--json", "o.json", "-", src=SEED)
-    assert (r.returncode, r.stdout) == (1, plain.stdout), r.stderr
-    assert f'File "<stdin>", line {BACKWARD2}, in <module>' in r.stderr
-    (h,) = json.loads((tmp_path / "o.json").read_text())["hazards"]
+    assert (r2.returncode, r2.stdout) == (1, plain2.stdout), r2.stderr
+    assert f'File "<stdin>", line {BACKWARD2}, in <module>' in r2.stderr
+    (h,) = json.loads((tmp_path / "o2.json").read_text())["hazards"]
     assert h["tensor"] == "model.w3" and "same hazard at backward #" in h["replay"], h
     assert h["modified_by"][0]["line"] == STEP1
 
@@ -774,16 +778,22 @@ OWN_WATCHER = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.parametrize("mode", [[], ["--strict"]], ids=["default", "strict"])
-def test_a_program_that_watches_its_own_model(tmp_path: Path, mode: list[str]):
-    """Issue #23, item 2: the program's own watch() borrows the model; the run keeps the report."""
+def test_a_program_that_watches_its_own_model(tmp_path: Path):
+    """Issue #23, item 2: the program's own watch() borrows the model; the run keeps the report.
+
+    Plain, under ``run`` and under ``run --strict``: three runs side by side.
+    """
     (tmp_path / "own.py").write_text(OWN_WATCHER)
-    plain = python("own.py", cwd=tmp_path)
+    vw_argv = [sys.executable, "-m", "versionwatch", "run"]
+    plain, *runs = run_all(
+        ([sys.executable, "own.py"], {"cwd": tmp_path}),
+        ([*vw_argv, "--json", "default.json", "own.py"], {"cwd": tmp_path}),
+        ([*vw_argv, "--strict", "--json", "strict.json", "own.py"], {"cwd": tmp_path}))
     assert plain.returncode == 0, plain.stderr
-    r = vw("run", *mode, "--json", "out.json", "own.py", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == plain.stdout
-    assert "own reports: 1" in r.stdout
-    doc = json.loads((tmp_path / "out.json").read_text())
-    (h,) = doc["hazards"]  # the program's watcher found it; the run's report has it once
-    assert h["tensor"] == "model.2.weight"
+    for mode, r in zip(("default", "strict"), runs):
+        assert r.returncode == 0, (mode, r.stderr)
+        assert r.stdout == plain.stdout, mode
+        assert "own reports: 1" in r.stdout
+        doc = json.loads((tmp_path / f"{mode}.json").read_text())
+        (h,) = doc["hazards"]  # the program's watcher found it; the run's report has it once
+        assert h["tensor"] == "model.2.weight", mode

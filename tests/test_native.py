@@ -32,6 +32,7 @@ import torch
 
 import versionwatch
 from oracle import Oracle, Outcome
+from side_by_side import run_all
 from versionwatch import _native, _native_build
 from versionwatch._ledger import read_versions
 from versionwatch._native_selftest import roots_of, verdict
@@ -167,20 +168,27 @@ def test_the_name_carries_the_versions() -> None:
 def test_no_compiler_one_clear_line_and_same_results(tmp_path: Path) -> None:
     env = _env(VERSIONWATCH_NATIVE_DIR=str(tmp_path), CXX="/nonexistent/c++")
     start = time.monotonic()
-    built = _cli("native", "build", "--timeout", "240", env=env)
+    # The plain demo (helper off) depends on nothing here: it runs beside the build.
+    demo = [sys.executable, "-m", "versionwatch", "demo"]
+    plain, built = run_all((demo, {"env": _env(VERSIONWATCH_NATIVE="0"), "cwd": ROOT}),
+                           ([sys.executable, "-m", "versionwatch", "native", "build",
+                             "--timeout", "240"], {"env": env, "cwd": ROOT}), timeout=300)
     assert time.monotonic() - start < 240
     assert built.returncode == 1, built.stdout + built.stderr
     lines = built.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("versionwatch native: the build failed after")
     assert "/nonexistent/c++" in lines[0], lines[0]
     # VERSIONWATCH_NATIVE=1 does not try again at every start: one line says why.
-    status = _cli("native", "status", env={**env, "VERSIONWATCH_NATIVE": "1"})
+    # The README's commands, with the helper asked for and impossible: as without it.
+    # Both read the failed build's record, and change nothing: side by side.
+    asked_env = {**env, "VERSIONWATCH_NATIVE": "1"}
+    status, asked = run_all(
+        ([sys.executable, "-m", "versionwatch", "native", "status"],
+         {"env": asked_env, "cwd": ROOT}),
+        (demo, {"env": asked_env, "cwd": ROOT}), timeout=300)
     assert status.returncode == 0
     assert status.stdout.startswith("unavailable: the last build failed:"), status.stdout
     assert "/nonexistent/c++" in status.stdout and status.stdout.count("\n") == 1
-    # The README's commands, with the helper asked for and impossible: as without it.
-    plain = _cli("demo", env=_env(VERSIONWATCH_NATIVE="0"))
-    asked = _cli("demo", env={**env, "VERSIONWATCH_NATIVE": "1"})
     assert asked.returncode == plain.returncode == 0
     assert asked.stdout == plain.stdout and "model.w3" in plain.stdout
 
