@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -77,3 +78,20 @@ def no_process_left(request: pytest.FixtureRequest,
     while (left := tagged_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"{request.node.name} left processes behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def demo_plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[
+        subprocess.CompletedProcess[str], Path]:
+    """``versionwatch demo`` with the native helper off, run once for the session in a
+    folder of its own: tests/test_cli.py checks what it says, tests/test_native.py that
+    the helper asked for and impossible says exactly the same (a demo is ~15 s)."""
+    folder = tmp_path_factory.mktemp("demo")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VERSIONWATCH_NATIVE", "VERSIONWATCH_NATIVE_FAULT")}
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["VERSIONWATCH_NATIVE"] = "0"
+    done = subprocess.run([sys.executable, "-m", "versionwatch", "demo"], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=300)
+    return done, folder

@@ -65,6 +65,14 @@ def vw(*args: str, cwd: Path, env: dict[str, str] | None = None,
                           capture_output=True, text=True, timeout=120)
 
 
+def side_by_side(cwd: Path, plain: list[str], watched: list[str],
+                 ) -> list[subprocess.CompletedProcess[str]]:
+    """``python(*plain)`` and ``vw(*watched)`` at once, for a program that reads no file
+    the watched run writes (pytest runs on one core; the other runs the second child)."""
+    return run_all(([sys.executable, *plain], {"cwd": cwd}),
+                   ([sys.executable, "-m", "versionwatch", *watched], {"cwd": cwd}))
+
+
 def python(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """The plain run that a watched one must match."""
     return subprocess.run([sys.executable, *args], cwd=cwd,
@@ -196,9 +204,8 @@ def test_json_written_when_the_script_dies(tmp_path: Path):
             raise ValueError("bad data")
         load()
     """))
-    plain = python("err.py", cwd=tmp_path)
+    plain, r = side_by_side(tmp_path, ["err.py"], ["run", "--quiet", "--json", "o.json", "err.py"])
     assert plain.stdout == "hooked ValueError ['<module>', 'load']\n"
-    r = vw("run", "--quiet", "--json", "o.json", "err.py", cwd=tmp_path)
     assert (r.returncode, r.stdout, r.stderr) == (1, plain.stdout, plain.stderr)
     doc = json.loads((tmp_path / "o.json").read_text())
     assert (doc["exit_status"], doc["exception"]) == (1, "ValueError: bad data")
@@ -256,9 +263,8 @@ def test_spawned_workers_unpickle_main_objects(tmp_path: Path):
     assert r.stdout.strip() == "6.0"
 
 
-def test_demo_runs_in_four_steps(tmp_path: Path):
-    r = subprocess.run([sys.executable, "-m", "versionwatch", "demo"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+def test_demo_runs_in_four_steps(demo_plain: tuple[subprocess.CompletedProcess[str], Path]):
+    r, folder = demo_plain  # run once for the session (tests/conftest.py)
     assert r.returncode == 0, r.stderr
     for n in range(1, 5):
         assert f"=== step {n}/4" in r.stdout
@@ -273,7 +279,7 @@ def test_demo_runs_in_four_steps(tmp_path: Path):
     assert "-    optim.step()\n-    optim.zero_grad(set_to_none=False)\n" in step4
     assert "rejected: set_to_none: set_to_none=True only hides the failure" in step4
     assert "3 iterations, 0 hazards" in step4
-    assert not [p for p in tmp_path.iterdir()]  # the program it patched was a scratch copy
+    assert not [p for p in folder.iterdir()]  # the program it patched was a scratch copy
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["run", "--help"]])
@@ -533,10 +539,9 @@ def test_non_daemon_thread_after_main_is_watched(tmp_path: Path):
     """Issue #23, item 13: Python waits for non-daemon threads after __main__ returns, and
     so does the watcher: a hazard there is in the report."""
     (tmp_path / "late.py").write_text(LATE_THREAD)
-    plain = python("late.py", cwd=tmp_path)
+    plain, r = side_by_side(tmp_path, ["late.py"], ["run", "--json", "o.json", "late.py"])
     assert (plain.returncode, plain.stdout) == (0, "main done\n")
     assert "Exception in thread late" in plain.stderr and "is at version 2" in plain.stderr
-    r = vw("run", "--json", "o.json", "late.py", cwd=tmp_path)
     assert (r.returncode, r.stdout) == (0, plain.stdout), r.stderr
     assert "Exception in thread late" in r.stderr
     assert "InplaceModificationError: versionwatch: backward will fail" in r.stderr

@@ -165,14 +165,11 @@ def test_the_name_carries_the_versions() -> None:
 
 
 @posix_only
-def test_no_compiler_one_clear_line_and_same_results(tmp_path: Path) -> None:
-    env = _env(VERSIONWATCH_NATIVE_DIR=str(tmp_path), CXX="/nonexistent/c++")
+def test_no_compiler_one_clear_line_and_same_results(
+        tmp_path: Path, demo_plain: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    env = _env(VERSIONWATCH_NATIVE_DIR=str(tmp_path / "cache"), CXX="/nonexistent/c++")
     start = time.monotonic()
-    # The plain demo (helper off) depends on nothing here: it runs beside the build.
-    demo = [sys.executable, "-m", "versionwatch", "demo"]
-    plain, built = run_all((demo, {"env": _env(VERSIONWATCH_NATIVE="0"), "cwd": ROOT}),
-                           ([sys.executable, "-m", "versionwatch", "native", "build",
-                             "--timeout", "240"], {"env": env, "cwd": ROOT}), timeout=300)
+    built = _cli("native", "build", "--timeout", "240", env=env)
     assert time.monotonic() - start < 240
     assert built.returncode == 1, built.stdout + built.stderr
     lines = built.stdout.strip().splitlines()
@@ -182,10 +179,15 @@ def test_no_compiler_one_clear_line_and_same_results(tmp_path: Path) -> None:
     # The README's commands, with the helper asked for and impossible: as without it.
     # Both read the failed build's record, and change nothing: side by side.
     asked_env = {**env, "VERSIONWATCH_NATIVE": "1"}
+    # The plain demo (helper off, in a folder of its own) is the session's (conftest.py);
+    # this one runs in a folder like it.
+    (tmp_path / "demo").mkdir()
     status, asked = run_all(
         ([sys.executable, "-m", "versionwatch", "native", "status"],
          {"env": asked_env, "cwd": ROOT}),
-        (demo, {"env": asked_env, "cwd": ROOT}), timeout=300)
+        ([sys.executable, "-m", "versionwatch", "demo"],
+         {"env": asked_env, "cwd": tmp_path / "demo"}), timeout=300)
+    plain = demo_plain[0]
     assert status.returncode == 0
     assert status.stdout.startswith("unavailable: the last build failed:"), status.stdout
     assert "/nonexistent/c++" in status.stdout and status.stdout.count("\n") == 1
