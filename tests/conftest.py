@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -60,10 +61,9 @@ def tagged_processes(tag: str) -> list[str]:
     return found
 
 
-@pytest.fixture
-def no_process_left(request: pytest.FixtureRequest,
-                    monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Fail the test if a process it started is still alive after it."""
+@contextlib.contextmanager
+def processes_checked(name: str) -> Iterator[None]:
+    """Fail if a process started inside the block is still alive after it."""
     if not os.path.isdir("/proc"):
         yield
         return
@@ -71,13 +71,21 @@ def no_process_left(request: pytest.FixtureRequest,
     # ends: started here, untagged, it is not the test's.
     resource_tracker.ensure_running()
     tag = f"{os.getpid()}.{time.monotonic_ns()}"
-    monkeypatch.setenv(PROCESS_TAG, tag)
-    yield
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv(PROCESS_TAG, tag)
+        yield
     # A rank killed a moment ago may still be on its way out.
     deadline = time.monotonic() + 10
     while (left := tagged_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not left, f"{request.node.name} left processes behind: {left}"
+    assert not left, f"{name} left processes behind: {left}"
+
+
+@pytest.fixture
+def no_process_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail the test if a process it started is still alive after it."""
+    with processes_checked(request.node.name):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -576,22 +577,29 @@ def test_signal_while_waiting_for_threads(tmp_path: Path, sig: signal.Signals):
     it ends python, with the report written."""
     (tmp_path / "spin.py").write_text(NEVER_ENDS)
     results = []
-    for argv in ([sys.executable, "spin.py"],
-                 [sys.executable, "-m", "versionwatch", "run", "--json", "o.json", "spin.py"]):
-        p = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
+    procs = []  # plain and watched side by side, each in a process group of its own
+    try:
+        for argv in ([sys.executable, "spin.py"],
+                     [sys.executable, "-m", "versionwatch", "run", "--json", "o.json",
+                      "spin.py"]):
+            procs.append(subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True,
+                                          start_new_session=True))
+        for p in procs:
             assert p.stdout is not None and p.stdout.readline() == "ready\n"
-            # Into the wait: CPython loses a SIGINT that comes between threading's
-            # last check for signals and its blocking lock.acquire(), plain or not.
-            time.sleep(0.5)
+        # Into the wait: CPython loses a SIGINT that comes between threading's
+        # last check for signals and its blocking lock.acquire(), plain or not.
+        time.sleep(0.5)
+        for p in procs:
             os.killpg(p.pid, sig)  # as a terminal sends Ctrl-C: to the whole group
+        for p in procs:
             out, err = p.communicate(timeout=60)
-        finally:
+            results.append((p.returncode, out, err))
+    finally:
+        for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.communicate()
-        results.append((p.returncode, out, err))
     (plain_status, _, plain_err), (status, _, err) = results
     assert status == plain_status, (results, err)
     if sig == signal.SIGINT:
@@ -666,13 +674,32 @@ def _replay_interrupted(tmp_path: Path, how: str) -> tuple[int, str, int]:
     return p.returncode, err, child
 
 
+@pytest.fixture(scope="module")
+def replays_interrupted(tmp_path_factory: pytest.TempPathFactory,
+                        ) -> Iterator[dict[str, tuple[Path, int, str]]]:
+    """:func:`_replay_interrupted` by SIGTERM, Ctrl-C and SIGKILL, the three side by side
+    (each in its own folder and process group): ``how -> (folder, status, stderr)``.
+    None of their processes may outlive them (conftest's processes_checked)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import processes_checked
+
+    hows = ["sigterm", "ctrl-c", "sigkill"]
+    folders = {how: tmp_path_factory.mktemp(f"replay-{how}") for how in hows}
+    with processes_checked("the interrupted replays"), ThreadPoolExecutor(len(hows)) as pool:
+        done = {how: pool.submit(_replay_interrupted, folders[how], how) for how in hows}
+        results = {how: (folders[how], *f.result()[:2]) for how, f in done.items()}
+    yield results
+
+
 @pytest.mark.usefixtures("no_process_left")
 @pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
-def test_signal_during_replay_keeps_the_first_report(tmp_path: Path, how: str):
+def test_signal_during_replay_keeps_the_first_report(
+        replays_interrupted: dict[str, tuple[Path, int, str]], how: str):
     """Issue #23, item 1: SIGTERM or Ctrl-C while the replay's second run goes: the first
     run's report is written, the child dies with its parent, nothing is left in the temp
     folder, and the run ends as the signal ends python, with no traceback of ours."""
-    status, err, _ = _replay_interrupted(tmp_path, how)
+    tmp_path, status, err = replays_interrupted[how]
     sig = signal.SIGTERM if how == "sigterm" else signal.SIGINT
     assert status == -sig, err
     assert "_replay.py" not in err and "_cli.py" not in err, err
@@ -690,11 +717,12 @@ def test_signal_during_replay_keeps_the_first_report(tmp_path: Path, how: str):
 
 
 @pytest.mark.usefixtures("no_process_left")
-def test_replay_child_dies_with_a_killed_parent(tmp_path: Path):
+def test_replay_child_dies_with_a_killed_parent(
+        replays_interrupted: dict[str, tuple[Path, int, str]]):
     """SIGKILL leaves versionwatch no say: the kernel ends the child (PR_SET_PDEATHSIG on
     Linux; elsewhere the child sees the pipe from its parent close), and the first
     run's report was written before the replay began."""
-    status, _, _ = _replay_interrupted(tmp_path, "sigkill")
+    tmp_path, status, _ = replays_interrupted["sigkill"]
     assert status == -signal.SIGKILL
     doc = json.loads((tmp_path / "o.json").read_text())
     assert (doc["exit_status"], doc["hazards"][0]["replay"]) == (1, None)
