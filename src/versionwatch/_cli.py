@@ -20,8 +20,8 @@ from importlib.machinery import BuiltinImporter, SourceFileLoader
 from types import CodeType, FrameType, ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
-from versionwatch._config import POLICIES
-from versionwatch._teardown import TermGuard, threads_left
+from versionwatch._policy import POLICIES
+from versionwatch._sigterm import TermGuard, threads_left
 
 if TYPE_CHECKING:
     from versionwatch._auto import AutoWatcher
@@ -161,7 +161,7 @@ def _exit_interrupted(err: KeyboardInterrupt) -> NoReturn:
 def _write_outputs(args: argparse.Namespace, watcher: AutoWatcher, status: int,
                    err: BaseException | str | None) -> None:
     from versionwatch._distributed import rank as current_rank
-    from versionwatch._ranks import rank_path
+    from versionwatch._merge import rank_path
     from versionwatch._report import SCHEMA, Report
 
     reports: list[Report] = list(watcher.reports)
@@ -548,7 +548,7 @@ class _Session:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from versionwatch._ranks import MergeError, merge, render_merged
+    from versionwatch._merge import MergeError, merge, render_merged
 
     try:
         summary = merge(args.reports)
@@ -632,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "merge":
         return _merge(args)
     if args.command == "run":
-        from versionwatch._config import env_problem
+        from versionwatch._policy import env_problem
 
         problem = env_problem()
         if problem is not None:  # as argparse says a bad --on-hazard, before anything runs
