@@ -5,7 +5,7 @@ tensor or an autograd node, so keeping one (or the exception that carries it)
 keeps no graph alive.
 
 Rendering depends on the report, never the other way round: the renderers
-(``_explain`` for text, ``_dot`` for Graphviz) import this module and register
+(``_render`` for text, ``_dot`` for Graphviz) import this module and register
 themselves in :data:`RENDERERS` when they load, and ``str(report)`` and
 ``report.to_dot()`` look them up there. Every path that hands out a report
 (the predictor, the watcher, ``versionwatch.Report`` itself) loads them first.
@@ -13,13 +13,14 @@ themselves in :data:`RENDERERS` when they load, and ``str(report)`` and
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Literal
+
+from versionwatch._source_lines import made_variable, written_variable
 
 HazardKind = Literal["inplace", "freed", "silent"]
 SCHEMA = "versionwatch.report/1"
@@ -37,7 +38,7 @@ def _render(report: Report, kind: str) -> str:
     render = RENDERERS.get(kind)
     if render is None:
         raise RuntimeError(
-            f"versionwatch: no {kind} renderer is loaded; import versionwatch._explain first")
+            f"versionwatch: no {kind} renderer is loaded; import versionwatch._render first")
     return render(report)
 
 
@@ -519,93 +520,6 @@ class Hazard:
 
 # PyTorch's sentence on a saved non-leaf: "[torch.FloatTensor [3, 4]], which is output 0 of Add,".
 _PRODUCER = re.compile(r"\], which is output \d+ of (?P<op>\w+?)(?:Backward\d*)?(?:\.\.\.)?,")
-# A write's description: "+=", "x[...] = v", "mul_()", "torch.relu_()"; not a step's.
-_AUGMENTED = {"+=": ast.Add, "-=": ast.Sub, "*=": ast.Mult, "/=": ast.Div, "//=": ast.FloorDiv,
-              "%=": ast.Mod, "**=": ast.Pow, "&=": ast.BitAnd, "|=": ast.BitOr, "^=": ast.BitXor,
-              "<<=": ast.LShift, ">>=": ast.RShift}
-
-
-def statement(code: str) -> ast.stmt | None:
-    """The one statement of a source line, if it parses alone (a comment may follow)."""
-    try:
-        body = ast.parse(code.strip()).body
-    except (SyntaxError, ValueError):
-        return None
-    return body[0] if len(body) == 1 else None
-
-
-def _dotted(node: ast.expr) -> str | None:
-    """``x``, ``self.h``: a name the user can write again; else None."""
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
-        return f"{base}.{node.attr}" if base else None
-    return None
-
-
-def written_variable(description: str, code: str) -> str | None:
-    """The variable an in-place write's own line writes to, if the line shows the write.
-
-    >>> written_variable("+=", "x += self.ff(self.n1(x))")
-    'x'
-    >>> written_variable("mul_()", "h.mul_(2)  # in place")
-    'h'
-    >>> written_variable("x[...] = v", "scores[mask] = 0.0")
-    'scores'
-    >>> written_variable("relu_()", "loss = net(x).sum()") is None
-    True
-    """
-    stmt = statement(code)
-    if stmt is None:
-        return None
-    op = _AUGMENTED.get(description)
-    if op is not None:
-        if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, op):
-            return _dotted(stmt.target)
-        return None
-    if description == "x[...] = v":
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
-                and isinstance(stmt.targets[0], ast.Subscript):
-            return _dotted(stmt.targets[0].value)
-        return None
-    if not description.endswith("_()"):
-        return None
-    method = description[:-2].rpartition(".")[2]
-    for node in ast.walk(stmt):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr == method:
-            target = _dotted(node.func.value)
-            if target in ("torch", "F", "torch.nn.functional", "nn.functional"):
-                return _dotted(node.args[0]) if node.args else None
-            return target
-    return None
-
-
-def made_variable(producer: str, code: str) -> str | None:
-    """The variable that a line assigns the output of ``producer``'s op to, if it ends in that op.
-
-    >>> made_variable("Sigmoid", "h = self.fc(x).sigmoid()")
-    'h'
-    >>> made_variable("Tanh", "h = torch.tanh(self.fc(x))")
-    'h'
-    >>> made_variable("Sigmoid", "loss = net(x).sum()") is None
-    True
-    """
-    stmt = statement(code)
-    if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
-        return None
-    call = stmt.value
-    if not isinstance(call, ast.Call):
-        return None
-    func = call.func
-    name = func.attr if isinstance(func, ast.Attribute) else func.id \
-        if isinstance(func, ast.Name) else ""
-    if name.replace("_", "").lower() != producer.lower():
-        return None
-    return _dotted(stmt.targets[0])
-
-
 def size(n: int) -> str:
     """Bytes in the units the reports use: ``1.0 MiB``."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):

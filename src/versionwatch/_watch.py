@@ -29,10 +29,10 @@ from torch.optim import Optimizer
 
 from versionwatch import _blame, _distributed, _forward, _inflight, _strict
 from versionwatch._active import _LOCAL, ACTIVE, thread_stack
+from versionwatch._advice import fix_for
 from versionwatch._arguments import BadCall, rejected
 from versionwatch._compat import seq_clock
 from versionwatch._errors import InplaceHazardWarning
-from versionwatch._explain import fix_for
 from versionwatch._intercept import PATCHES
 from versionwatch._ledger import Ledger, read_versions
 from versionwatch._naming import has_fsdp, module_tensors
