@@ -17,13 +17,13 @@ import json
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
+from versionwatch._report_json import hazard_dict, repair_dict, report_dict
 from versionwatch._source_lines import made_variable, written_variable
 
 HazardKind = Literal["inplace", "freed", "silent"]
-SCHEMA = "versionwatch.report/1"
 
 # "text" and "dot" -> the function that renders a report so; filled by the renderers.
 RENDERERS: dict[str, Callable[[Report], str]] = {}
@@ -297,39 +297,6 @@ class Fix:
         return asdict(self)
 
 
-def _site(site: Site | None) -> dict[str, Any] | None:
-    return None if site is None else {"file": site.file, "line": site.line, "code": site.code}
-
-
-def _modification(m: Modification) -> dict[str, Any]:
-    w = m.writer
-    return {
-        "kind": m.kind,
-        "description": m.description,
-        "file": m.site.file if m.site else None,
-        "line": m.site.line if m.site else None,
-        **({"versions": list(m.versions)} if m.versions else {}),
-        **({"after": _event(m.bounds[0]), "before": _event(m.bounds[1])} if m.bounds else {}),
-        **({"writer": {"module": w.module, "class": w.class_name or None, "repr": w.text,
-                       "file": w.built_at.file if w.built_at else None,
-                       "line": w.built_at.line if w.built_at else None}} if w else {}),
-        **({"stack": [_site(s) for s in m.stack]} if m.stack else {}),
-    }
-
-
-def _forward(f: Forward | None) -> dict[str, Any] | None:
-    if f is None:
-        return None
-    return {"forward": f.label, "file": f.site.file if f.site else None,
-            "line": f.site.line if f.site else None, "module": f.module}
-
-
-def _event(bound: tuple[str, Site | None]) -> dict[str, Any]:
-    label, site = bound
-    return {"event": label, "file": site.file if site else None,
-            "line": site.line if site else None}
-
-
 @dataclass
 class Hazard:
     """One saved tensor that backward would fail on (or, for ``silent``, compute wrongly from).
@@ -484,38 +451,7 @@ class Hazard:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, as in the ``versionwatch.report/1`` schema."""
-        d = asdict(self)
-        d["tensor"] = self.tensor or self.describe_tensor()
-        d["producer"] = self.made_by
-        d["shape"] = list(self.shape) if self.shape is not None else None
-        d["saved_by"] = self.node
-        d["saved_at"] = _site(self.saved_at)
-        forward = self.saved_forward or parse_forward(self.saved_during)
-        if forward is not None and forward.module is None and self.module:
-            # One watched root labels its forwards "forward #N": the root is the
-            # module's first name ("model" of strict mode's innermost "model.2").
-            forward = replace(forward, module=self.module.split(".", 1)[0])
-        d["saved_forward"] = _forward(forward)
-        d["variable"] = self.user_variable()
-        f = self.freed_by
-        d["freed_by"] = None if f is None else {
-            "description": f.description, "file": f.site.file if f.site else None,
-            "line": f.site.line if f.site else None}
-        del d["node"], d["key"], d["seq"]
-        d["modified_by"] = [_modification(m) for m in self.modified_by]
-        c = self.carrier
-        d["carrier"] = None if c is None else {
-            "name": c.name, "file": c.site.file if c.site else None,
-            "line": c.site.line if c.site else None, "code": c.site.code if c.site else None,
-            "module": c.module, "role": c.role, "fed_to": _forward(c.fed_to),
-            "entered": _site(c.entered), "trained": c.trained}
-        b = self.between
-        d["between"] = None if b is None else {
-            "events": [_modification(m) for m in b.events],
-            "changes_saved": b.changes_saved, "discards_grad": b.discards_grad}
-        d["compiled_forward"] = _site(self.compiled_forward)
-        d["fixes"] = [f.to_dict() for f in self.fixes]
-        return d
+        return hazard_dict(self, self.saved_forward or parse_forward(self.saved_during))
 
 
 # PyTorch's sentence on a saved non-leaf: "[torch.FloatTensor [3, 4]], which is output 0 of Add,".
@@ -566,9 +502,7 @@ class Repair:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
-        return {"tensor": self.tensor, "bytes": self.nbytes, "graph": self.graph,
-                "before": self.before, "file": self.site.file if self.site else None,
-                "line": self.site.line if self.site else None}
+        return repair_dict(self)
 
 
 @dataclass
@@ -632,29 +566,8 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data, schema ``versionwatch.report/1``."""
-        site = self.backward_site
-        hazards = []
-        for h in self.hazards:
-            d = h.to_dict()
-            d["backward"] = self.backward
-            d["replay"] = self.replay
-            d["backward_site"] = {"file": site.file, "line": site.line} if site else None
-            if site and self.thread:
-                d["backward_site"]["thread"] = self.thread
-            hazards.append(d)
         timeline = self.timeline.to_dict() if self.timeline is not None else {}
-        out: dict[str, Any] = {
-            "schema": SCHEMA,
-            "ok": self.ok,
-            "hazards": hazards,
-            "unverifiable": [{"saved_by": n, "slot": s} for n, s in self.unverifiable],
-            "nodes": self.nodes,
-            "saved_checked": self.saved_checked,
-            "timeline": timeline,
-        }
-        if self.rank is not None:
-            out["rank"], out["world_size"] = self.rank
-        return out
+        return report_dict([self], timeline=timeline, rank=self.rank)
 
     def to_dot(self) -> str:
         """Graphviz DOT: the path from the backward's root to each stale saved tensor.
