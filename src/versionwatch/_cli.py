@@ -209,8 +209,8 @@ def _exec_main(code: CodeType, file: str, loader: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     import versionwatch
+    from versionwatch._backward import ReplayStop
     from versionwatch._replay import send_report, tie_to_parent
-    from versionwatch._watch import ReplayStop
 
     if args.module:
         # As python -m: "-m" until runpy finds the module and puts its file there.
