@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 import dist_workers
 from versionwatch._compat import fsdp2_runs_on_cpu, fully_shard_fn
-from versionwatch._ranks import MergeError, merge, rank_path, render_merged
+from versionwatch._merge import MergeError, merge, rank_path, render_merged
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [

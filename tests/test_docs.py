@@ -276,6 +276,25 @@ def test_doc_pages_in_nav_exist() -> None:
     assert not missing, f"mkdocs.yml's nav names missing pages: {missing}"
 
 
+# Backticked names on the architecture page that are no module of ours.
+_ARCHITECTURE_NOT_MODULES = {"_version", "_call_impl", "_on_forward", "_run_backward",
+                             "__init__", "__main__"}
+
+
+def test_architecture_page_names_every_module() -> None:
+    """docs/architecture.md names every module, and every module name it shows exists."""
+    page = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    package = ROOT / "src" / "versionwatch"
+    modules = {p.stem for p in package.glob("_*.py")}
+    integrations = {f"integrations.{p.stem}" for p in (package / "integrations").glob("*.py")
+                    if p.stem != "__init__"}
+    unnamed = sorted(m for m in modules | integrations if f"`{m}`" not in page)
+    assert not unnamed, f"docs/architecture.md does not name: {unnamed}"
+    shown = set(re.findall(r"`(_{1,2}[a-z][a-z0-9_]*)`", page))
+    unknown = sorted(shown - modules - _ARCHITECTURE_NOT_MODULES)
+    assert not unknown, f"docs/architecture.md names modules that do not exist: {unknown}"
+
+
 # -- files, commands and fragments ---------------------------------------------------
 
 @dataclass

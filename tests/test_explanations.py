@@ -663,7 +663,7 @@ def _freed(**facts: Any) -> Any:
 
 
 def test_fix_from_facts_gan_detaches_in_the_first_loss_and_says_why_retain_works():
-    from versionwatch._explain import fix_for
+    from versionwatch._advice import fix_for
     from versionwatch._report import Between, Carrier, Forward, Modification, Site
 
     h = _freed(carried_by="fake", carrier=Carrier(
@@ -683,7 +683,7 @@ def test_fix_from_facts_gan_detaches_in_the_first_loss_and_says_why_retain_works
 
 
 def test_fix_from_facts_data_is_detached_where_it_is_made():
-    from versionwatch._explain import fix_for
+    from versionwatch._advice import fix_for
     from versionwatch._report import Carrier, Site
 
     made = Site("prog.py", 11, "advantages = returns - critic(obs).squeeze(-1)")
@@ -699,7 +699,7 @@ def test_fix_from_facts_data_is_detached_where_it_is_made():
 
 
 def test_fix_from_facts_two_losses():
-    from versionwatch._explain import fix_for
+    from versionwatch._advice import fix_for
     from versionwatch._report import Between, Carrier, Modification, Site
 
     out = Carrier("out", Site("prog.py", 9, "out = net(x)"), "net", "data", trained=True)
@@ -718,7 +718,7 @@ def test_fix_from_facts_two_losses():
 
 
 def test_fix_from_facts_state_is_truncated_bptt_and_unknown_is_a_choice():
-    from versionwatch._explain import fix_for
+    from versionwatch._advice import fix_for
     from versionwatch._report import Carrier
 
     fix = fix_for(_freed(carried_by="h", carrier=Carrier("h", role="state")))
@@ -734,7 +734,8 @@ def test_fix_from_facts_state_is_truncated_bptt_and_unknown_is_a_choice():
 
 
 def test_fix_from_facts_module_write_sets_inplace_false_where_it_was_built():
-    from versionwatch._explain import fix_for, render_report
+    from versionwatch._advice import fix_for
+    from versionwatch._render import render_report
     from versionwatch._report import Hazard, Modification, Report, Site, Writer
 
     built = Site("prog.py", 6, "clf = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), ...)")

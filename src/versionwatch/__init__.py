@@ -48,7 +48,7 @@ __version__ = "0.1.0"
 # register themselves: loaded with the package, so that a report made from
 # versionwatch._report alone, or unpickled in another process, still renders.
 # Plain Python, no torch.
-from versionwatch import _explain as _explain
+from versionwatch import _render as _render
 
 _WHERE = {
     "AutoWatcher": "_auto",

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 # calls cost more. Weak, as the registry: a watcher dropped without close() is
 # collected, and its __del__ closes it.
 _LOCAL = threading.local()
+# Guards the opening of watchers and their backward counters (re-entrant: a
+# watcher opened inside another's event).
+LOCK = threading.RLock()
 # Open watchers, oldest first: truthy while any is open.
 ACTIVE: Registry[OpenWatcher] = Registry("watchers", weak=True)
 

@@ -16,7 +16,7 @@ from types import FrameType
 from torch import nn
 
 from versionwatch import _distributed, _forward
-from versionwatch._config import Policy
+from versionwatch._policy import Policy
 from versionwatch._runtime import Removable, Subscription, remove_all
 from versionwatch._watch import _LOCK, Watcher, _variable_name
 

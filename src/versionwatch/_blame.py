@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from versionwatch import _distributed, _strict
+from versionwatch._advice import fix_for
 from versionwatch._carrier import freed_facts
 from versionwatch._compat import SAVED_INTROSPECTION
 from versionwatch._errors import add_note
-from versionwatch._explain import fix_for, render_report
 from versionwatch._ledger import Tracked
+from versionwatch._render import render_report
 from versionwatch._report import Between, Carrier, Hazard, Modification, Report, Site
 from versionwatch._sites import site_at, user_frame
 from versionwatch._torch_messages import VERSION_RE as _VERSION_RE

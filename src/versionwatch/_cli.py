@@ -10,9 +10,7 @@ import json
 import os
 import pkgutil
 import runpy
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 from collections.abc import Sequence
@@ -20,8 +18,9 @@ from importlib.machinery import BuiltinImporter, SourceFileLoader
 from types import CodeType, FrameType, ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
-from versionwatch._config import POLICIES
-from versionwatch._teardown import TermGuard, threads_left
+from versionwatch._outputs import write_file, write_outputs
+from versionwatch._policy import POLICIES
+from versionwatch._sigterm import TermGuard, threads_left
 
 if TYPE_CHECKING:
     from versionwatch._auto import AutoWatcher
@@ -158,97 +157,6 @@ def _exit_interrupted(err: KeyboardInterrupt) -> NoReturn:
     raise err
 
 
-def _write_outputs(args: argparse.Namespace, watcher: AutoWatcher, status: int,
-                   err: BaseException | str | None) -> None:
-    from versionwatch._distributed import rank as current_rank
-    from versionwatch._ranks import rank_path
-    from versionwatch._report import SCHEMA, Report
-
-    reports: list[Report] = list(watcher.reports)
-    hazards = [h for r in reports for h in r.to_dict()["hazards"]]
-    # The group is torn down by now in most programs, and a rank whose process
-    # group was set up without torchrun has no RANK: the rank seen during the run.
-    rank = (current_rank() or next((r.rank for r in reports if r.rank is not None), None)
-            or watcher.rank_seen)
-    # Where each output goes (resolved at start-up: the program may chdir) and
-    # the path as typed, for messages.
-    outputs: dict[str, tuple[str, str]] = {}
-    for option in ("json", "dot", "svg"):
-        typed = getattr(args, option)
-        if typed:
-            where = getattr(args, "resolved", {}).get(option, typed)
-            if rank is not None:  # each rank its own files, not all of them the same
-                where, typed = rank_path(where, rank[0]), rank_path(typed, rank[0])
-            outputs[option] = (where, typed)
-    if isinstance(err, str):
-        exception: str | None = err
-    else:
-        exception = None if err is None else f"{type(err).__name__}: {err}"
-    if args.json:
-        timeline: dict[str, Any] = {}
-        try:
-            timeline = watcher.timeline().to_dict()
-        except KeyError:
-            pass
-        # A superset of Report.to_dict(): every hazard of the run, and how it ended.
-        doc = {
-            "schema": SCHEMA,
-            "ok": not hazards,
-            "hazards": hazards,
-            "unverifiable": [u for r in reports for u in r.to_dict()["unverifiable"]],
-            "nodes": sum(r.nodes for r in reports),
-            "saved_checked": sum(r.saved_checked for r in reports),
-            "timeline": timeline,
-            "target": args.module or (args.target[0] if args.target else None),
-            "exit_status": status,
-            "exception": exception,
-        }
-        if rank is not None:
-            doc["rank"], doc["world_size"] = rank
-        if watcher.policy == "repair":
-            doc["repairs"] = [r.to_dict() for r in watcher.repairs]
-            doc["repair_summary"] = watcher.repair_summary()
-        _write_file("--json", *outputs["json"], json.dumps(doc, indent=2) + "\n")
-    if args.dot or args.svg:
-        merged = Report(hazards=[h for r in reports for h in r.hazards])
-        dot = merged.to_dot()
-        if args.dot:
-            _write_file("--dot", *outputs["dot"], dot)
-        if args.svg:
-            exe = shutil.which("dot")
-            if exe is None:
-                print("versionwatch: --svg needs Graphviz's `dot` program; it is not installed "
-                      "(the DOT text is still available with --dot)", file=sys.stderr)
-            else:
-                _render_svg(exe, *outputs["svg"], dot)
-
-
-def _render_svg(exe: str, path: str, shown: str, dot: str) -> None:
-    try:
-        done = subprocess.run([exe, "-Tsvg", "-o", path], input=dot.encode(),
-                              stderr=subprocess.PIPE)
-    except OSError as e:
-        _output_error("--svg", shown, e.strerror or str(e))
-        return
-    if done.returncode != 0:
-        said = done.stderr.decode(errors="replace").strip().splitlines()
-        _output_error("--svg", shown,
-                      said[-1] if said else f"`dot` exited with status {done.returncode}")
-
-
-def _write_file(option: str, path: str, shown: str, text: str) -> None:
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-    except OSError as e:
-        _output_error(option, shown, e.strerror or str(e))
-
-
-def _output_error(option: str, path: str, problem: str) -> None:
-    # One line, and the exit status stays the program's: the run itself went as it went.
-    print(f"versionwatch: error: cannot write {option} {path}: {problem}", file=sys.stderr)
-
-
 def _run_script(path: str) -> None:
     """Run the file at ``path`` as ``python path`` runs it.
 
@@ -301,8 +209,8 @@ def _exec_main(code: CodeType, file: str, loader: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     import versionwatch
+    from versionwatch._backward import ReplayStop
     from versionwatch._replay import send_report, tie_to_parent
-    from versionwatch._watch import ReplayStop
 
     if args.module:
         # As python -m: "-m" until runpy finds the module and puts its file there.
@@ -462,7 +370,7 @@ class _Session:
             if self.args.replay and not isinstance(self.err, KeyboardInterrupt):
                 self._replay()
             with self.guard.lock:
-                _write_outputs(self.args, self.watcher, self.status, self.err)
+                write_outputs(self.args, self.watcher, self.status, self.err)
                 if not self.args.quiet:
                     _summary(self.watcher, self.err)
         finally:
@@ -490,7 +398,7 @@ class _Session:
         if report is None or report.backward is None:
             return
         with self.guard.lock:
-            _write_outputs(args, self.watcher, self.status, self.err)
+            write_outputs(args, self.watcher, self.status, self.err)
             command = ["-m", args.module, *args.target] if args.module else list(args.target)
             print(f"versionwatch: --replay: running the same command again in strict mode, "
                   f"up to backward #{report.backward}", file=sys.stderr)
@@ -530,25 +438,25 @@ class _Session:
         if self.phase == "program":
             # The plain program dies of SIGTERM here, silently; so do we, once written.
             self.watcher.close()
-            _write_outputs(self.args, self.watcher, 128 + signal.SIGTERM,
+            write_outputs(self.args, self.watcher, 128 + signal.SIGTERM,
                            "terminated by SIGTERM")
         elif self.phase == "finish":
             # The program has ended: its outcome stands; the replay is what stops.
             self._stop_replay("SIGTERM")
-            _write_outputs(self.args, self.watcher, self.status, self.err)
+            write_outputs(self.args, self.watcher, self.status, self.err)
 
     def on_exit(self, status: int) -> None:
         """``os._exit(status)``, on any thread: the outputs, then the real exit."""
         if self.phase == "program":
             self.watcher.close()
-            _write_outputs(self.args, self.watcher, status, f"os._exit({status})")
+            write_outputs(self.args, self.watcher, status, f"os._exit({status})")
         elif self.phase == "finish":
             self._stop_replay(f"os._exit({status})")
-            _write_outputs(self.args, self.watcher, self.status, self.err)
+            write_outputs(self.args, self.watcher, self.status, self.err)
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from versionwatch._ranks import MergeError, merge, render_merged
+    from versionwatch._merge import MergeError, merge, render_merged
 
     try:
         summary = merge(args.reports)
@@ -557,7 +465,7 @@ def _merge(args: argparse.Namespace) -> int:
         return 2
     print(render_merged(summary))
     if args.json:
-        _write_file("--json", args.json, args.json, json.dumps(summary, indent=2) + "\n")
+        write_file("--json", args.json, args.json, json.dumps(summary, indent=2) + "\n")
     return 0 if summary["ok"] else 1
 
 
@@ -632,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "merge":
         return _merge(args)
     if args.command == "run":
-        from versionwatch._config import env_problem
+        from versionwatch._policy import env_problem
 
         problem = env_problem()
         if problem is not None:  # as argparse says a bad --on-hazard, before anything runs

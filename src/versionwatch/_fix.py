@@ -382,7 +382,7 @@ def render(result: FixResult) -> str:
 
 def to_json(result: FixResult, target: str | None) -> dict[str, Any]:
     """The run's document (schema ``versionwatch.report/1``) with the candidates in it."""
-    from versionwatch._report import SCHEMA
+    from versionwatch._report_json import SCHEMA
 
     original = result.original
     report = (original.report if original else None) or {}

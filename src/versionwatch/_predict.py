@@ -21,11 +21,11 @@ import torch
 from torch.autograd.graph import Node
 
 from versionwatch import _engine
+from versionwatch._advice import fix_for
 from versionwatch._arguments import Api, BadCall, Call, Edge, after_run, bind, parse
 from versionwatch._checker import CHECKER
 from versionwatch._distributed import rank
 from versionwatch._errors import FreedGraphError, InplaceModificationError
-from versionwatch._explain import fix_for
 from versionwatch._graph import Graph, lease
 from versionwatch._naming import Names, name_of, resolve_names
 from versionwatch._report import Report

@@ -113,3 +113,13 @@ class Blamed(Protocol):
     strict_thread: str | None  # the thread strict mode records on
 
     def timeline(self, *names: str, report: Report | None = None) -> Timeline: ...
+
+
+class InScope(Blamed, Protocol):
+    """A watcher in a backward's scope (:mod:`_backward`): blamed, and read for its
+    names and its fused steps' silent writes."""
+
+    _silent: dict[int, int]  # param id -> the sequence clock after a fused step
+    _silent_on: dict[int, int]  # param id -> the thread that clock was read on
+
+    def _share(self, report: Report) -> None: ...

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 import pytest
 
-from versionwatch._config import POLICIES, env_problem
+from versionwatch._policy import POLICIES, env_problem
 
 _KEY = pytest.StashKey[Any]()
 

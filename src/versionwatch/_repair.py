@@ -47,6 +47,7 @@ from versionwatch._compat import (
     allow_in_peek,
     peek,
 )
+from versionwatch._copies import copy_as_laid_out, span_bytes
 from versionwatch._errors import InplaceHazardWarning
 from versionwatch._graph import Graph, lease
 from versionwatch._repair_strict import strict_hits
@@ -341,10 +342,10 @@ class Repairer:
         nbytes = 0
         if whole is None:
             source = base if shared else data
-            nbytes = _span_bytes(source)
+            nbytes = span_bytes(source)
             if not self.fits(nbytes):
                 return None
-            whole = _copy_as_laid_out(source)
+            whole = copy_as_laid_out(source)
             if whole.layout is torch.strided:
                 nbytes = whole.untyped_storage().nbytes()
             self._hold(whole, nbytes)
@@ -556,48 +557,3 @@ def _freed(fn: Any) -> bool:
         if len(nodes) < 8:
             nodes += [n for n, _ in node.next_functions if n is not None]
     return False
-
-
-def _laid_out(t: torch.Tensor) -> bool:
-    """Whether :func:`_copy_as_laid_out` keeps ``t``'s strides (else it clones compactly).
-
-    A dense strided tensor that is not contiguous, whose elements span at most
-    twice their number (a sliced ``w[:, ::2]``, not a column ``w[:, 0]`` of a
-    large weight, which would hold the whole weight), with no dimension of
-    size above one repeated at stride 0 (``expand``: no copy can be written so).
-    """
-    if t.layout is not torch.strided or t.is_nested or t.is_contiguous():
-        return False
-    n = t.numel()
-    if n == 0 or any(st == 0 and size > 1 for size, st in zip(t.shape, t.stride())):
-        return False
-    return _span(t) <= 2 * n
-
-
-def _span(t: torch.Tensor) -> int:
-    return 1 + sum((size - 1) * st for size, st in zip(t.shape, t.stride()))
-
-
-def _span_bytes(t: torch.Tensor) -> int:
-    """At most what :func:`_copy_as_laid_out` allocates for ``t``."""
-    n = t.numel()
-    return (max(n, _span(t)) if _laid_out(t) else n) * t.element_size()
-
-
-def _copy_as_laid_out(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` with its sizes and strides, so that a kernel reads it as it read ``t``.
-
-    ``clone()`` makes a sliced view (``w[:, ::2]``) contiguous, and a backward
-    given other strides may pick another kernel, and round differently. See
-    :func:`_laid_out` for the views that are cloned compactly all the same.
-    """
-    src = t.detach()  # no graph: cheaper than entering no_grad
-    if not _laid_out(src):
-        return src.clone()
-    try:
-        # new_empty_strided keeps a tensor subclass, as clone() does.
-        out = src.new_empty_strided(src.size(), src.stride())
-        out.copy_(src)
-    except RuntimeError:  # strides no copy can write to (an overlap)
-        return src.clone()
-    return out

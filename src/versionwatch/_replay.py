@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from versionwatch._explain import fix_for
+from versionwatch._advice import fix_for
 from versionwatch._report import Hazard, Modification, Report, Site, Writer
 
 # The folder this versionwatch is imported from (resolved before any chdir).

@@ -5,7 +5,7 @@ tensor or an autograd node, so keeping one (or the exception that carries it)
 keeps no graph alive.
 
 Rendering depends on the report, never the other way round: the renderers
-(``_explain`` for text, ``_dot`` for Graphviz) import this module and register
+(``_render`` for text, ``_dot`` for Graphviz) import this module and register
 themselves in :data:`RENDERERS` when they load, and ``str(report)`` and
 ``report.to_dot()`` look them up there. Every path that hands out a report
 (the predictor, the watcher, ``versionwatch.Report`` itself) loads them first.
@@ -13,16 +13,17 @@ themselves in :data:`RENDERERS` when they load, and ``str(report)`` and
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
+from versionwatch._report_json import hazard_dict, repair_dict, report_dict
+from versionwatch._source_lines import made_variable, written_variable
+
 HazardKind = Literal["inplace", "freed", "silent"]
-SCHEMA = "versionwatch.report/1"
 
 # "text" and "dot" -> the function that renders a report so; filled by the renderers.
 RENDERERS: dict[str, Callable[[Report], str]] = {}
@@ -37,7 +38,7 @@ def _render(report: Report, kind: str) -> str:
     render = RENDERERS.get(kind)
     if render is None:
         raise RuntimeError(
-            f"versionwatch: no {kind} renderer is loaded; import versionwatch._explain first")
+            f"versionwatch: no {kind} renderer is loaded; import versionwatch._render first")
     return render(report)
 
 
@@ -296,39 +297,6 @@ class Fix:
         return asdict(self)
 
 
-def _site(site: Site | None) -> dict[str, Any] | None:
-    return None if site is None else {"file": site.file, "line": site.line, "code": site.code}
-
-
-def _modification(m: Modification) -> dict[str, Any]:
-    w = m.writer
-    return {
-        "kind": m.kind,
-        "description": m.description,
-        "file": m.site.file if m.site else None,
-        "line": m.site.line if m.site else None,
-        **({"versions": list(m.versions)} if m.versions else {}),
-        **({"after": _event(m.bounds[0]), "before": _event(m.bounds[1])} if m.bounds else {}),
-        **({"writer": {"module": w.module, "class": w.class_name or None, "repr": w.text,
-                       "file": w.built_at.file if w.built_at else None,
-                       "line": w.built_at.line if w.built_at else None}} if w else {}),
-        **({"stack": [_site(s) for s in m.stack]} if m.stack else {}),
-    }
-
-
-def _forward(f: Forward | None) -> dict[str, Any] | None:
-    if f is None:
-        return None
-    return {"forward": f.label, "file": f.site.file if f.site else None,
-            "line": f.site.line if f.site else None, "module": f.module}
-
-
-def _event(bound: tuple[str, Site | None]) -> dict[str, Any]:
-    label, site = bound
-    return {"event": label, "file": site.file if site else None,
-            "line": site.line if site else None}
-
-
 @dataclass
 class Hazard:
     """One saved tensor that backward would fail on (or, for ``silent``, compute wrongly from).
@@ -483,129 +451,11 @@ class Hazard:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, as in the ``versionwatch.report/1`` schema."""
-        d = asdict(self)
-        d["tensor"] = self.tensor or self.describe_tensor()
-        d["producer"] = self.made_by
-        d["shape"] = list(self.shape) if self.shape is not None else None
-        d["saved_by"] = self.node
-        d["saved_at"] = _site(self.saved_at)
-        forward = self.saved_forward or parse_forward(self.saved_during)
-        if forward is not None and forward.module is None and self.module:
-            # One watched root labels its forwards "forward #N": the root is the
-            # module's first name ("model" of strict mode's innermost "model.2").
-            forward = replace(forward, module=self.module.split(".", 1)[0])
-        d["saved_forward"] = _forward(forward)
-        d["variable"] = self.user_variable()
-        f = self.freed_by
-        d["freed_by"] = None if f is None else {
-            "description": f.description, "file": f.site.file if f.site else None,
-            "line": f.site.line if f.site else None}
-        del d["node"], d["key"], d["seq"]
-        d["modified_by"] = [_modification(m) for m in self.modified_by]
-        c = self.carrier
-        d["carrier"] = None if c is None else {
-            "name": c.name, "file": c.site.file if c.site else None,
-            "line": c.site.line if c.site else None, "code": c.site.code if c.site else None,
-            "module": c.module, "role": c.role, "fed_to": _forward(c.fed_to),
-            "entered": _site(c.entered), "trained": c.trained}
-        b = self.between
-        d["between"] = None if b is None else {
-            "events": [_modification(m) for m in b.events],
-            "changes_saved": b.changes_saved, "discards_grad": b.discards_grad}
-        d["compiled_forward"] = _site(self.compiled_forward)
-        d["fixes"] = [f.to_dict() for f in self.fixes]
-        return d
+        return hazard_dict(self, self.saved_forward or parse_forward(self.saved_during))
 
 
 # PyTorch's sentence on a saved non-leaf: "[torch.FloatTensor [3, 4]], which is output 0 of Add,".
 _PRODUCER = re.compile(r"\], which is output \d+ of (?P<op>\w+?)(?:Backward\d*)?(?:\.\.\.)?,")
-# A write's description: "+=", "x[...] = v", "mul_()", "torch.relu_()"; not a step's.
-_AUGMENTED = {"+=": ast.Add, "-=": ast.Sub, "*=": ast.Mult, "/=": ast.Div, "//=": ast.FloorDiv,
-              "%=": ast.Mod, "**=": ast.Pow, "&=": ast.BitAnd, "|=": ast.BitOr, "^=": ast.BitXor,
-              "<<=": ast.LShift, ">>=": ast.RShift}
-
-
-def statement(code: str) -> ast.stmt | None:
-    """The one statement of a source line, if it parses alone (a comment may follow)."""
-    try:
-        body = ast.parse(code.strip()).body
-    except (SyntaxError, ValueError):
-        return None
-    return body[0] if len(body) == 1 else None
-
-
-def _dotted(node: ast.expr) -> str | None:
-    """``x``, ``self.h``: a name the user can write again; else None."""
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
-        return f"{base}.{node.attr}" if base else None
-    return None
-
-
-def written_variable(description: str, code: str) -> str | None:
-    """The variable an in-place write's own line writes to, if the line shows the write.
-
-    >>> written_variable("+=", "x += self.ff(self.n1(x))")
-    'x'
-    >>> written_variable("mul_()", "h.mul_(2)  # in place")
-    'h'
-    >>> written_variable("x[...] = v", "scores[mask] = 0.0")
-    'scores'
-    >>> written_variable("relu_()", "loss = net(x).sum()") is None
-    True
-    """
-    stmt = statement(code)
-    if stmt is None:
-        return None
-    op = _AUGMENTED.get(description)
-    if op is not None:
-        if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, op):
-            return _dotted(stmt.target)
-        return None
-    if description == "x[...] = v":
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
-                and isinstance(stmt.targets[0], ast.Subscript):
-            return _dotted(stmt.targets[0].value)
-        return None
-    if not description.endswith("_()"):
-        return None
-    method = description[:-2].rpartition(".")[2]
-    for node in ast.walk(stmt):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr == method:
-            target = _dotted(node.func.value)
-            if target in ("torch", "F", "torch.nn.functional", "nn.functional"):
-                return _dotted(node.args[0]) if node.args else None
-            return target
-    return None
-
-
-def made_variable(producer: str, code: str) -> str | None:
-    """The variable that a line assigns the output of ``producer``'s op to, if it ends in that op.
-
-    >>> made_variable("Sigmoid", "h = self.fc(x).sigmoid()")
-    'h'
-    >>> made_variable("Tanh", "h = torch.tanh(self.fc(x))")
-    'h'
-    >>> made_variable("Sigmoid", "loss = net(x).sum()") is None
-    True
-    """
-    stmt = statement(code)
-    if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
-        return None
-    call = stmt.value
-    if not isinstance(call, ast.Call):
-        return None
-    func = call.func
-    name = func.attr if isinstance(func, ast.Attribute) else func.id \
-        if isinstance(func, ast.Name) else ""
-    if name.replace("_", "").lower() != producer.lower():
-        return None
-    return _dotted(stmt.targets[0])
-
-
 def size(n: int) -> str:
     """Bytes in the units the reports use: ``1.0 MiB``."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
@@ -652,9 +502,7 @@ class Repair:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
-        return {"tensor": self.tensor, "bytes": self.nbytes, "graph": self.graph,
-                "before": self.before, "file": self.site.file if self.site else None,
-                "line": self.site.line if self.site else None}
+        return repair_dict(self)
 
 
 # Why a saved tensor (or a node) was not verified: the words of the report.
@@ -740,30 +588,8 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data, schema ``versionwatch.report/1``."""
-        site = self.backward_site
-        hazards = []
-        for h in self.hazards:
-            d = h.to_dict()
-            d["backward"] = self.backward
-            d["replay"] = self.replay
-            d["backward_site"] = {"file": site.file, "line": site.line} if site else None
-            if site and self.thread:
-                d["backward_site"]["thread"] = self.thread
-            hazards.append(d)
         timeline = self.timeline.to_dict() if self.timeline is not None else {}
-        out: dict[str, Any] = {
-            "schema": SCHEMA,
-            "ok": self.ok,
-            "hazards": hazards,
-            "unverifiable": [{"saved_by": n, "slot": s, "why": self.why_unverifiable(n, s)}
-                             for n, s in self.unverifiable],
-            "nodes": self.nodes,
-            "saved_checked": self.saved_checked,
-            "timeline": timeline,
-        }
-        if self.rank is not None:
-            out["rank"], out["world_size"] = self.rank
-        return out
+        return report_dict([self], timeline=timeline, rank=self.rank)
 
     def to_dot(self) -> str:
         """Graphviz DOT: the path from the backward's root to each stale saved tensor.

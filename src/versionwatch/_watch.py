@@ -11,7 +11,6 @@ hazard's two version numbers into the events that moved them
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import sys
@@ -19,37 +18,37 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import FrameType
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from versionwatch import _blame, _distributed, _forward, _inflight, _strict
-from versionwatch._active import _LOCAL, ACTIVE, thread_stack
-from versionwatch._arguments import BadCall, rejected
-from versionwatch._compat import seq_clock
-from versionwatch._config import Policy, resolve_policy
+from versionwatch import _blame, _distributed, _forward, _strict
+from versionwatch._active import ACTIVE, LOCK, thread_stack
+from versionwatch._advice import fix_for
+from versionwatch._backward import BackwardEvents
 from versionwatch._errors import InplaceHazardWarning
-from versionwatch._explain import fix_for
+from versionwatch._forward_events import ForwardEvents
 from versionwatch._intercept import PATCHES
-from versionwatch._ledger import Ledger, read_versions
-from versionwatch._naming import has_fsdp, module_tensors
+from versionwatch._ledger import Ledger
+from versionwatch._naming import has_fsdp
 from versionwatch._optimizers import OptimizerEvents
-from versionwatch._predict import _GATE, predict, raise_for
-from versionwatch._protocols import ForwardToken
+from versionwatch._policy import Policy, resolve_policy
+from versionwatch._predict import predict, raise_for
+from versionwatch._protocols import InScope
 from versionwatch._repair import Repairer
-from versionwatch._report import Hazard, Modification, Repair, Report, Site
+from versionwatch._report import Hazard, Repair, Report, Site
 from versionwatch._runtime import Removable, remove_all
-from versionwatch._sites import user_frame, user_frame_from, user_site
+from versionwatch._sites import user_frame, user_frame_from
 from versionwatch._strict import SavedRecord
 from versionwatch._timeline import Timeline, of_ledger
 
 logger = logging.getLogger("versionwatch")
 
-_LOCK = threading.RLock()
+_LOCK = LOCK
 # Open watchers, oldest first: truthy while any is open (the peer harness reads it).
 _ACTIVE = ACTIVE
 
@@ -63,17 +62,6 @@ def _variable_name(module: nn.Module, caller: FrameType | None) -> str:
                 if value is module and not name.startswith("_"):
                     return name
     return type(module).__name__
-
-
-class ReplayStop(BaseException):
-    """A replay reached the backward it was to stop at (``versionwatch run --replay``).
-
-    A ``BaseException``: the program's own ``except Exception`` must let it through.
-    """
-
-    def __init__(self, report: Report | None) -> None:
-        super().__init__("versionwatch: replay stopped")
-        self.report = report
 
 
 def _check_budget(repair_budget: int | None) -> None:
@@ -115,24 +103,7 @@ def _check_modules(modules: Mapping[str, nn.Module]) -> None:
                 )
 
 
-def _this_thread(silent: dict[int, int], scope: list[Watcher]) -> dict[int, int]:
-    """The silent writes whose clock this thread's nodes can be compared with.
-
-    Sequence numbers count per thread: a clock read on the stepping thread
-    says nothing of nodes another thread made (it would call a graph made
-    after the step stale). The backward's thread stands in for the
-    forward's; a write on another thread goes unchecked (see docs/threads.md).
-    """
-    me = threading.get_ident()
-    on: dict[int, int] = {}
-    for w in reversed(scope):
-        on.update(w._silent_on)
-    if all(t == me for t in on.values()):
-        return silent
-    return {k: c for k, c in silent.items() if on.get(k, me) == me}
-
-
-class Watcher(OptimizerEvents):
+class Watcher(ForwardEvents, BackwardEvents, OptimizerEvents):
     """Watches modules and optimizers; predicts and explains every backward.
 
     Create it with :func:`watch`. It is active from creation until :meth:`close`
@@ -145,9 +116,6 @@ class Watcher(OptimizerEvents):
         closed: whether :meth:`close` ran.
     """
 
-    # `versionwatch run --replay`'s strict re-run: the backward number to stop at.
-    replay_at: int | None = None
-    _stepped_aside = False  # set once a torch.func transform ran unwatched
     # An automatic watcher (watch_all) lends its roots to an explicit watcher
     # of the same module for that one's span, instead of refusing it.
     lends_roots = False
@@ -252,179 +220,11 @@ class Watcher(OptimizerEvents):
         """
         raise NotImplementedError
 
-    def _track(self, root: str, module: nn.Module) -> None:
-        """Watch the tensors of ``module`` not watched yet, named under ``root``.
-
-        Also at an FSDP2 root's forwards: the tensors it saved are its
-        unsharded parameters, named as the parameters they stand for, and
-        tracked from their first forward.
-        """
-        for key, (qual, t) in module_tensors(module, root + ".").items():
-            if key not in self.names:
-                self.names[key] = qual
-                self.ledger.track(qual, t)
-
-    def forward_label(self, root: str, n: int) -> str:
-        """``forward #3``, or ``G.forward #3`` when the watcher has more than one root."""
-        return f"forward #{n}" if len(self.roots) == 1 else f"{root}.forward #{n}"
-
-    def _on_forward(self, root: str, pre: bool, token: ForwardToken = None) -> ForwardToken:
-        """Record a root's forward: ``pre`` before it runs (returns a token), then after it.
-
-        A forward under ``no_grad`` or ``inference_mode`` saves nothing for
-        backward, so the only fact it can add to an explanation is a write to a
-        watched tensor while it runs (a BatchNorm's running stats in training
-        mode). Such a forward reads the versions before and after, and records
-        its events only if they moved: an acting forward in a reinforcement
-        learning loop then costs two version reads instead of two events. Its
-        site is read after the call if needed: the caller's line is the same.
-        """
-        if self.synced and root in self.synced:
-            if pre:
-                outer = self.synced[root]
-                label = self.forward_label(outer, self.forwards[outer])
-                self.ledger.record(
-                    "buffer_sync", f"DDP buffer broadcast of {label}", None,
-                    cause=Modification(
-                        "ddp_buffer_broadcast",
-                        f"DistributedDataParallel's buffer broadcast in {label} of {outer}"))
-            return None
-        if pre:
-            # next() is atomic: threads number from one counter, with no lock.
-            n = self.forwards[root] = next(self.counters[root])
-            if not torch.is_grad_enabled():
-                # The watched versions, read lock-free (a layout is replaced, never
-                # changed): the hot path of an acting loop.
-                layout = self.ledger._layout
-                if layout is not None:
-                    before = read_versions(layout[1])
-                    if before is not None and before == layout[3]:
-                        return n, before
-                seq = None
-            else:
-                seq = seq_clock()  # nodes it creates get larger sequence numbers
-            event = self.ledger.record("forward", self.forward_label(root, n), user_site(),
-                                       seq=seq, module=root)
-            if self.strict:
-                _strict.THREAD.forward = (
-                    f"{event.label} at {event.site}" if event.site else event.label)
-            return n, None
-        assert token is not None
-        n, before = token
-        if self.sharded and root in self.sharded:
-            module = self.roots[root]()
-            if module is not None:
-                self._track(root, module)
-        if before is not None:
-            layout = self.ledger._layout  # as at the start: did anything move?
-            if layout is not None and read_versions(layout[1]) == before:
-                return None  # nothing moved: as if the forward never ran, for the ledger
-        label = self.forward_label(root, n)
-        if before is not None:
-            # It wrote to a watched tensor: its events after all; nothing
-            # moved before it began (``before`` was the last event's versions).
-            self.ledger.record("forward", label, user_site(), module=root, unchanged=True)
-        elif self.strict:
-            _strict.THREAD.forward = None
-        # The clock at the end too: nodes numbered between the two were made
-        # by this forward, activations included (ledger.place_forward).
-        seq = seq_clock() if torch.is_grad_enabled() else None
-        self.ledger.end("forward_end", label, "module_forward", f"during {label} of {root}",
-                        seq=seq)
-        return None
-
-    # -- backward --------------------------------------------------------------------
-    def _run_backward(self, api: str, outputs: Any, inputs: Any, call: Callable[[], Any],
-                      arguments: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
-                      site: Site | None = None) -> Any:
-        """Predict a backward (``api``), explain and dispatch its hazards, then ``call()`` it.
-
-        ``site`` is the user's line of the call, read where it entered.
-        """
-        __tracebackhide__ = True
-        if self.strict:
-            _strict.end_step()  # past any step, even one that raised (or in a closure)
-        with _LOCK:  # threads number their backwards from one counter
-            self.backward_count += 1
-            n = self.backward_count
-        frees = _inflight.frees(api, arguments)
-        label = f"backward #{n}"
-        # A freeing backward keeps the clock at its start: a graph it may have
-        # freed is older, and one built since is newer (see _blame.explain_freed).
-        self.ledger.record("backward", label, site,
-                           seq=seq_clock() if frees else None, frees=frees)
-        ended = False
-        scope = self._scope()
-        names, silent = self.names, self._silent
-        if len(scope) > 1:  # nested watchers: name what any of them watches
-            names, silent = {}, {}
-            for w in reversed(scope):
-                names.update(w.names)
-                silent.update(w._silent)
-        if silent:
-            silent = _this_thread(silent, scope)
-        if self.repairer is not None and not frees:
-            self.repairer.retain(outputs, f"backward #{n}", site)
-        flight = _inflight.Flight(self, label, site, frees)
-        _LOCAL.busy = True  # reset in the finally below, whatever raises
-        try:
-            # The prediction's gate, set inline: a generator-based context
-            # manager costs about as much as the rest of this preamble.
-            gate = _GATE.fn
-            _GATE.fn = functools.partial(_inflight.depart, flight)
-            try:
-                # Looked up in this module at each call: an observer assigned to
-                # ``_watch.predict`` sees every prediction.
-                report: Report | None = predict(outputs, inputs, api,  # type: ignore[arg-type]
-                                                names, silent or None)
-            except (TypeError, ValueError, BadCall):
-                report = None  # PyTorch will say what is wrong with the arguments
-            finally:
-                _GATE.fn = gate
-            if report is not None and not report.ok and arguments is not None \
-                    and rejected(api, *arguments):
-                report = None  # PyTorch rejects the arguments before any saved tensor: its error
-            if report is not None:
-                report.backward_site = site
-                report.backward = n
-                if self.ledger.threaded:
-                    report.thread = threading.current_thread().name
-                if flight.freed_by:
-                    _inflight.name_freer(report, flight)
-                if not report.ok:
-                    if any(h.kind == "freed" for h in report.hazards):
-                        _blame.explain_freed(report, outputs, scope)
-                    self._explain(report, scope)
-                if n == self.replay_at:
-                    raise ReplayStop(report)
-                if not report.ok:
-                    self._dispatch(report)
-            try:
-                return call()
-            except RuntimeError as e:
-                # Record the end first: a write during backward (a hook, a custom
-                # Function) is what the ledger must see to name the tensor.
-                ended = True
-                self._end_backward(n)
-                self._after_error(e, report, site)
-                raise
-        finally:
-            _LOCAL.busy = False
-            _inflight.land(flight)
-            if not ended:
-                self._end_backward(n)
-
-    def _step_aside(self) -> None:
-        """A backward inside a ``torch.func`` transform runs unpredicted: say so once."""
-        if not self._stepped_aside:
-            self._stepped_aside = True
-            logger.debug("versionwatch: backward inside a torch.func transform (grad, vjp, "
-                         "jacrev, hessian, vmap) runs unpredicted: its tensors are functorch "
-                         "wrappers; backwards outside transforms are predicted as usual")
-
-    def _end_backward(self, n: int) -> None:
-        label = f"backward #{n}"
-        self.ledger.end("backward_end", label, "backward", f"during {label}")
+    def _predict(self, outputs: Any, inputs: Any, api: str, names: dict[int, str],
+                 silent: dict[int, int] | None) -> Report:
+        # Looked up in this module at each call: an observer assigned to
+        # ``_watch.predict`` sees every prediction.
+        return predict(outputs, inputs, api, names, silent)  # type: ignore[arg-type]
 
     def _scope(self) -> list[Watcher]:
         """This watcher, then the other open watchers of its thread, innermost first."""
@@ -435,12 +235,13 @@ class Watcher(OptimizerEvents):
                         if (w := r()) is not None and w is not self and not w.closed)]
 
     # -- explaining and dispatching --------------------------------------------------
-    def _explain(self, report: Report, scope: list[Watcher] | None = None) -> Watcher:
+    def _explain(self, report: Report, scope: Sequence[InScope] | None = None) -> InScope:
         """Blame each hazard in the ledger that tracks its tensor; return the owner.
 
         The owner, the watcher of the first hazard's tensor, keeps the report.
         """
-        owner = _blame.explain(self, report, scope or [self])
+        chosen: Sequence[InScope] = scope or [self]
+        owner = _blame.explain(self, report, chosen)
         owner._share(report)
         return owner
 

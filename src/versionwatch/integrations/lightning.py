@@ -33,8 +33,8 @@ except ImportError:  # pragma: no cover - depends on what is installed
             "pip install 'versionwatch[lightning]' (or lightning>=2.0, or pytorch_lightning)"
         ) from err
 
-from versionwatch._config import Policy, resolve_policy
 from versionwatch._errors import FreedGraphError, InplaceModificationError
+from versionwatch._policy import Policy, resolve_policy
 from versionwatch._report import Report, Site
 from versionwatch._sites import _short
 from versionwatch._timeline import Timeline
