@@ -624,3 +624,52 @@ def test_cuda_graphs_and_versions(ext: Any) -> None:
     assert "is at version" in found[0][3]
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+# -- the helper inside a watcher ------------------------------------------------------------
+def test_a_watcher_takes_the_native_clean_answer(ext: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clean backward under a watcher is the native answer (no Python walk), over the
+    same nodes and saved tensors; a stale one, and a fused step's silent writes, go to
+    the Python predictor, whose report it is."""
+    from versionwatch import _predict
+
+    walked: list[int] = []
+    python = _predict._predict
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        walked.append(1)
+        return python(*args, **kwargs)
+
+    monkeypatch.setattr(_predict, "_predict", counting)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    got: list[versionwatch.Report] = []
+    seen: list[versionwatch.Report] = []
+    real = _predict.predict
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    from versionwatch import _watch
+
+    monkeypatch.setattr(_watch, "predict", keep)
+    with versionwatch.watch(model, opt, on_hazard=got.append):
+        loss = model(x).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert walked == [] and got == []
+        expected = versionwatch.check(model(x).sum())  # the public check: Python
+        walked.clear()
+        loss = model(x).sum()
+        loss.backward()
+        assert walked == [] and (seen[-1].nodes, seen[-1].saved_checked) == \
+            (expected.nodes, expected.saved_checked)
+        loss = model(x).sum()
+        opt.step()  # the saved weights are stale now
+        with pytest.raises(RuntimeError):
+            loss.backward()
+    assert walked == [1] and len(got) == 1 and got[0].hazards

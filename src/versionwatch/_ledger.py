@@ -105,14 +105,125 @@ def _locked(method: _F) -> _F:
     """Run under the ledger's lock: threads record, scan and blame at once."""
 
     @functools.wraps(method)
-    def run(self: Ledger, *args: object, **kwargs: object) -> object:
+    def run(self: LedgerQueries, *args: object, **kwargs: object) -> object:
         with self._lock:
             return method(self, *args, **kwargs)
 
     return run  # type: ignore[return-value]
 
 
-class Ledger:
+class LedgerQueries:
+    """The reading side of a :class:`Ledger`: what a report, a timeline and blame ask of it.
+
+    Apart from the recording side, which runs at every training event; both
+    take the ledger's lock.
+    """
+
+    tracked: dict[int, Tracked]
+    events: deque[Event]
+    versions: deque[dict[int, int]]
+    _lock: threading.RLock
+
+    @_locked
+    def blame(self, h: Hazard, key: int) -> None:
+        """Fill ``h.modified_by`` and ``h.saved_during`` from the history of tensor ``key``."""
+        tr = self.tracked.get(key)
+        if tr is None or h.saved_version is None or h.current_version is None:
+            return
+        saved, now = h.saved_version, h.current_version
+        began, left = 0, None
+        for tn in tr.history:
+            if tn.new == saved and tn.old != saved:
+                began, left = tn.event, None
+            if tn.old == saved and tn.new != saved and left is None:
+                left = tn.event
+            silent = tn.old == tn.new
+            if silent and h.kind == "silent" and tn.new == saved:
+                h.modified_by.append(tn.modification)
+            elif not silent and saved <= tn.old and tn.new <= now:
+                m = tn.modification
+                h.modified_by.append(replace(m, versions=(tn.old, tn.new)))
+            else:
+                continue
+            if tn.note and tn.note not in h.notes:
+                h.notes.append(tn.note)
+        if h.saved_during:
+            return
+        forwards = [ev for ev in self.events if ev.kind == "forward"]
+        chosen = None
+        if h.seq is not None:
+            # The last forward that began before the saving node was created,
+            # on this thread: the backward's, taken for the node's (the node
+            # does not say which thread's counter numbered it).
+            me = threading.get_ident()
+            timed = [ev for ev in forwards
+                     if ev.seq is not None and ev.seq < h.seq and ev.thread == me]
+            chosen = timed[-1] if timed else None
+        if chosen is None:  # by versions: the last forward while the tensor was at `saved`
+            chosen = next((ev for ev in reversed(forwards) if ev.index >= began
+                           and (left is None or ev.index < left)), None)
+        if chosen is not None:
+            h.saved_during = chosen.label + (f" at {chosen.site}" if chosen.site else "")
+
+    @_locked
+    def place_forward(self, h: Hazard) -> bool:
+        """Name the forward (and its module) that made ``h``'s saving node, by sequence number.
+
+        A forward's events hold the autograd clock at its start and end (the
+        number of the last node made by then): a node numbered above the first
+        and at most the second was made inside it. Clocks count per thread, so
+        only this thread's forwards compare (the backward's thread stands in
+        for the forward's, as in :meth:`blame`); the innermost range wins.
+        """
+        seq = h.seq
+        if seq is None:
+            return False
+        me = threading.get_ident()
+        starts: dict[str, Event] = {}
+        best: tuple[int, Event] | None = None
+        for ev in self.events:
+            if ev.thread != me or ev.seq is None:
+                continue
+            # By the label without the thread's name: a second thread that started
+            # during this forward named its end, not its start.
+            if ev.kind == "forward":
+                starts[_bare_label(ev.label)] = ev
+            elif ev.kind == "forward_end":
+                start = starts.pop(_bare_label(ev.label[len("end of "):]), None)
+                if start is not None and start.seq is not None \
+                        and start.seq < seq <= ev.seq \
+                        and (best is None or ev.seq - start.seq < best[0]):
+                    best = (ev.seq - start.seq, start)
+        if best is None:
+            return False
+        start = best[1]
+        if h.module is None:
+            h.module = start.module
+        if h.saved_during is None:
+            h.saved_during = start.label + (f" at {start.site}" if start.site else "")
+        return True
+
+    @_locked
+    def freer(self, seq: int) -> Event | None:
+        """The first freeing backward on this thread that began after node ``seq`` was made.
+
+        The last backward recorded is the one being predicted: never its own freer.
+        """
+        me = threading.get_ident()
+        backwards = [ev for ev in self.events if ev.kind == "backward"]
+        for ev in backwards[:-1]:
+            if ev.frees and ev.thread == me and ev.seq is not None and ev.seq >= seq:
+                return ev
+        return None
+
+    @_locked
+    def table(self, keys: list[int]) -> list[tuple[Event, list[int | None]]]:
+        return [
+            (ev, [vs.get(k) for k in keys]) for ev, vs in zip(self.events, self.versions)
+        ]
+
+
+class Ledger(LedgerQueries):
     """Versions of the watched tensors at each event. Safe to use from several threads."""
 
     def __init__(self, max_events: int = 512, max_history: int = 256) -> None:
@@ -357,102 +468,3 @@ class Ledger:
         tr = self.tracked.get(id(t))
         if tr is not None:
             tr.history.append(Transition(t._version, t._version, self.count, mod, note))
-
-    # -- blame ---------------------------------------------------------------------
-    @_locked
-    def blame(self, h: Hazard, key: int) -> None:
-        """Fill ``h.modified_by`` and ``h.saved_during`` from the history of tensor ``key``."""
-        tr = self.tracked.get(key)
-        if tr is None or h.saved_version is None or h.current_version is None:
-            return
-        saved, now = h.saved_version, h.current_version
-        began, left = 0, None
-        for tn in tr.history:
-            if tn.new == saved and tn.old != saved:
-                began, left = tn.event, None
-            if tn.old == saved and tn.new != saved and left is None:
-                left = tn.event
-            silent = tn.old == tn.new
-            if silent and h.kind == "silent" and tn.new == saved:
-                h.modified_by.append(tn.modification)
-            elif not silent and saved <= tn.old and tn.new <= now:
-                m = tn.modification
-                h.modified_by.append(replace(m, versions=(tn.old, tn.new)))
-            else:
-                continue
-            if tn.note and tn.note not in h.notes:
-                h.notes.append(tn.note)
-        if h.saved_during:
-            return
-        forwards = [ev for ev in self.events if ev.kind == "forward"]
-        chosen = None
-        if h.seq is not None:
-            # The last forward that began before the saving node was created,
-            # on this thread: the backward's, taken for the node's (the node
-            # does not say which thread's counter numbered it).
-            me = threading.get_ident()
-            timed = [ev for ev in forwards
-                     if ev.seq is not None and ev.seq < h.seq and ev.thread == me]
-            chosen = timed[-1] if timed else None
-        if chosen is None:  # by versions: the last forward while the tensor was at `saved`
-            chosen = next((ev for ev in reversed(forwards) if ev.index >= began
-                           and (left is None or ev.index < left)), None)
-        if chosen is not None:
-            h.saved_during = chosen.label + (f" at {chosen.site}" if chosen.site else "")
-
-    @_locked
-    def place_forward(self, h: Hazard) -> bool:
-        """Name the forward (and its module) that made ``h``'s saving node, by sequence number.
-
-        A forward's events hold the autograd clock at its start and end (the
-        number of the last node made by then): a node numbered above the first
-        and at most the second was made inside it. Clocks count per thread, so
-        only this thread's forwards compare (the backward's thread stands in
-        for the forward's, as in :meth:`blame`); the innermost range wins.
-        """
-        seq = h.seq
-        if seq is None:
-            return False
-        me = threading.get_ident()
-        starts: dict[str, Event] = {}
-        best: tuple[int, Event] | None = None
-        for ev in self.events:
-            if ev.thread != me or ev.seq is None:
-                continue
-            # By the label without the thread's name: a second thread that started
-            # during this forward named its end, not its start.
-            if ev.kind == "forward":
-                starts[_bare_label(ev.label)] = ev
-            elif ev.kind == "forward_end":
-                start = starts.pop(_bare_label(ev.label[len("end of "):]), None)
-                if start is not None and start.seq is not None \
-                        and start.seq < seq <= ev.seq \
-                        and (best is None or ev.seq - start.seq < best[0]):
-                    best = (ev.seq - start.seq, start)
-        if best is None:
-            return False
-        start = best[1]
-        if h.module is None:
-            h.module = start.module
-        if h.saved_during is None:
-            h.saved_during = start.label + (f" at {start.site}" if start.site else "")
-        return True
-
-    @_locked
-    def freer(self, seq: int) -> Event | None:
-        """The first freeing backward on this thread that began after node ``seq`` was made.
-
-        The last backward recorded is the one being predicted: never its own freer.
-        """
-        me = threading.get_ident()
-        backwards = [ev for ev in self.events if ev.kind == "backward"]
-        for ev in backwards[:-1]:
-            if ev.frees and ev.thread == me and ev.seq is not None and ev.seq >= seq:
-                return ev
-        return None
-
-    @_locked
-    def table(self, keys: list[int]) -> list[tuple[Event, list[int | None]]]:
-        return [
-            (ev, [vs.get(k) for k in keys]) for ev, vs in zip(self.events, self.versions)
-        ]
