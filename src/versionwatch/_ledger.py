@@ -348,6 +348,8 @@ class Ledger(LedgerQueries):
                     bare = _bare_label(label)
                     start = next((e for e in reversed(self.events)
                                   if e.thread == me and _bare_label(e.label) == bare), None)
+                elif self.events and self.events[-1].label == label:
+                    start = self.events[-1]  # the usual case: the start just before
                 else:
                     start = next((e for e in reversed(self.events) if e.label == label), None)
                 label, site = f"end of {label}", site or (start.site if start else None)
