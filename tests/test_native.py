@@ -633,6 +633,8 @@ def test_a_watcher_takes_the_native_clean_answer(ext: Any, monkeypatch: pytest.M
     the Python predictor, whose report it is."""
     from versionwatch import _predict
 
+    # Decided before counting: the self-test of a fresh decision runs the Python predictor.
+    assert _native.native() is not None
     walked: list[int] = []
     python = _predict._predict
 
@@ -673,3 +675,28 @@ def test_a_watcher_takes_the_native_clean_answer(ext: Any, monkeypatch: pytest.M
         with pytest.raises(RuntimeError):
             loss.backward()
     assert walked == [1] and len(got) == 1 and got[0].hazards
+
+
+def test_the_ledger_reads_versions_through_a_version_set(ext: Any) -> None:
+    """A ledger layout made while the helper is loaded carries a VersionSet whose
+    baseline is the layout's versions: ``moved`` says what a Python read says."""
+    from versionwatch._ledger import moved
+
+    assert _native.native() is not None  # decided (an earlier test may have reset it)
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 3)
+    with versionwatch.watch(model, opt) as w:
+        model(x).sum().backward()
+        opt.step()
+        layout = w.ledger._layout
+        assert layout is not None and layout[5] is not None
+        assert not moved(layout) and read_versions(layout[1]) == layout[3]
+        with torch.no_grad():
+            model.bias.add_(1.0)
+        assert moved(layout) and read_versions(layout[1]) != layout[3]
+        with torch.no_grad():
+            model(x)  # sees the write: an event between, and a new layout
+        assert w.ledger._layout is not layout and not moved(w.ledger._layout)
+        rows = [ev.label for ev, _ in w.ledger.table([id(model.bias)])]
+    assert "(between SGD.step() #1 and forward #2)" in rows

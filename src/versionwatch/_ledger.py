@@ -14,10 +14,11 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from versionwatch import _native
 from versionwatch._report import Hazard, Modification, Site
 
 
@@ -92,9 +93,34 @@ def read_versions(refs: list[weakref.ref[torch.Tensor]]) -> list[int] | None:
         return None
 
 
+# (keys, refs, tracked, their versions at the last scan, that scan's snapshot,
+# and the native VersionSet of refs whose baseline is those versions, or None).
 _Layout = tuple[
-    list[int], list["weakref.ref[torch.Tensor]"], list[Tracked], list[int], dict[int, int]
+    list[int], list["weakref.ref[torch.Tensor]"], list[Tracked], list[int], dict[int, int],
+    Any,
 ]
+
+
+def moved(layout: _Layout) -> bool:
+    """Whether a version moved since ``layout``'s scan (or a watched tensor died).
+
+    ``read_versions(layout[1]) != layout[3]``, natively where the helper is
+    loaded: a layout's VersionSet keeps the baseline it was made with.
+    """
+    vs = layout[5]
+    if vs is not None:
+        return vs.changed() is not False
+    return read_versions(layout[1]) != layout[3]
+
+
+def _version_set(refs: list[weakref.ref[torch.Tensor]], now: list[int]) -> Any:
+    """A VersionSet of ``refs`` whose baseline is ``now``, or None (no helper, or a
+    version moved meanwhile on another thread: the layout then reads in Python)."""
+    ext = _native.CURRENT
+    if ext is None:
+        return None
+    vs = ext.VersionSet(refs)
+    return vs if vs.versions() == now else None
 
 
 _F = TypeVar("_F", bound=Callable[..., object])
@@ -358,7 +384,12 @@ class Ledger(LedgerQueries):
             if layout is not None:
                 # _scan's fast path inline, for the usual event that moved nothing
                 # (a watched tensor that died gives None: _scan drops it).
-                now = layout[3] if unchanged else read_versions(layout[1])
+                vs = layout[5]
+                now: list[int] | None
+                if unchanged or (vs is not None and vs.changed() is False):
+                    now = layout[3]
+                else:
+                    now = read_versions(layout[1])
                 if now == layout[3]:
                     versions = layout[4]
                     if (cause is None and not unchanged and self.versions
@@ -387,8 +418,7 @@ class Ledger(LedgerQueries):
         """
         with self._lock:
             layout = self._layout
-            if layout is not None and not self.threaded \
-                    and read_versions(layout[1]) == layout[3]:
+            if layout is not None and not self.threaded and not moved(layout):
                 return self.record(kind, label, seq=seq, unchanged=True)
             return self.record(kind, label, None, cause=Modification(cause_kind, cause_text),
                                seq=seq)
@@ -408,8 +438,10 @@ class Ledger(LedgerQueries):
         """
         layout = self._layout
         if layout is not None:
-            keys, refs, trs, last, snapshot = layout
+            keys, refs, trs, last, snapshot, vs = layout
             if now is None:
+                if vs is not None and vs.changed() is False:
+                    return snapshot  # nothing moved, as below
                 now = read_versions(refs)  # None if a watched tensor died: the slow path
             if now is not None:
                 if now == last:  # nothing moved: share the previous snapshot
@@ -425,7 +457,7 @@ class Ledger(LedgerQueries):
                         tr.history.append(_tuple_new(Transition, (old, v, count, m, note)))
                         tr.last = v
                 snapshot = dict(zip(keys, now))
-                self._layout = (keys, refs, trs, now, snapshot)
+                self._layout = (keys, refs, trs, now, snapshot, _version_set(refs, now))
                 return snapshot
         versions: dict[int, int] = {}
         dead = []
@@ -448,8 +480,9 @@ class Ledger(LedgerQueries):
             if self.by_name.get(tr.name) is tr:
                 del self.by_name[tr.name]
         trs = list(self.tracked.values())
-        self._layout = (list(self.tracked), [tr.ref for tr in trs], trs,
-                        [tr.last for tr in trs], versions)
+        refs = [tr.ref for tr in trs]
+        last = [tr.last for tr in trs]
+        self._layout = (list(self.tracked), refs, trs, last, versions, _version_set(refs, last))
         return versions
 
     def _between(self, upcoming: str, site: Site | None) -> Modification:
