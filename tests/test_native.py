@@ -700,3 +700,22 @@ def test_the_ledger_reads_versions_through_a_version_set(ext: Any) -> None:
         assert w.ledger._layout is not layout and not moved(w.ledger._layout)
         rows = [ev.label for ev, _ in w.ledger.table([id(model.bias)])]
     assert "(between SGD.step() #1 and forward #2)" in rows
+
+
+def test_the_self_test_is_not_seen_by_wrappers_of_check(ext: Any,
+                                                         fresh: pytest.MonkeyPatch) -> None:
+    """``versionwatch fix``'s child wraps ``check`` to catch the program's own checks: the
+    self-test, which runs at a watcher's first backward, must not pass for the program."""
+    from versionwatch import _predict
+
+    seen: list[int] = []
+    inner = _predict.check
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        seen.append(1)
+        return inner(*args, **kwargs)
+
+    fresh.setattr(_predict, "check", wrapper)
+    fresh.setattr(versionwatch, "check", wrapper, raising=False)
+    assert _native.native() is not None
+    assert seen == []
