@@ -293,15 +293,18 @@ def test_a_planted_mismatch_disables_the_helper(ext: Any, fresh: pytest.MonkeyPa
 
 def test_the_self_test_runs_the_python_predictor(ext: Any, fresh: pytest.MonkeyPatch) -> None:
     """Once the predictor asks native() for the helper, the self-test's own
-    checks must get None (Python), not wait for the decision they are part of."""
-    real = versionwatch.check
+    checks must get None (Python), not wait for the decision they are part of.
+    Seen inside the predictor: wrappers of ``versionwatch.check`` never see them."""
+    from versionwatch import _predict
+
+    real = _predict._predict
     seen: list[Any] = []
 
-    def check(*args: Any, **kwargs: Any) -> Any:
+    def inner(*args: Any, **kwargs: Any) -> Any:
         seen.append(_native.native())
         return real(*args, **kwargs)
 
-    fresh.setattr(versionwatch, "check", check)
+    fresh.setattr(_predict, "_predict", inner)
     done: list[Any] = []
     thread = threading.Thread(target=lambda: done.append(_native.native()), daemon=True)
     thread.start()
