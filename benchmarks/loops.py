@@ -1,5 +1,8 @@
 """Overhead of versionwatch on small-model loops: a DQN and an actor-critic (A2C) loop.
 
+A third loop, ``tiny``, is the tiny MLP of ``overhead.py`` (50 x Linear(32, 32)
++ Tanh, batch 4, SGD with momentum), every step a training step.
+
 Reinforcement-learning loops run tiny networks for hours, and most of their
 calls are forwards under ``torch.no_grad()`` (acting), so a fixed cost per
 call dominates. Both loops are written here, with a fake environment made of
@@ -27,6 +30,8 @@ one thread:
               networks exist before it opens, so they are adopted at their
               first call, as in a script
   strict      ``versionwatch.watch(qnet, opt, strict=True)``
+  watch_python  ``watch`` with the native helper (docs/native.md) set aside for
+              the block: the pure-Python default mode, in the same run
   predict_only  a watcher of an unrelated module: every backward of the loop is
               predicted and the process-wide hooks run, but the loop's model
               and optimizer are not watched (no events, no ledger): the floor
@@ -38,6 +43,7 @@ same round's unwatched block time (with its interquartile range).
 Usage:
   python benchmarks/loops.py                        # both loops
   python benchmarks/loops.py --loops dqn --repeats 30
+  python benchmarks/loops.py --loops dqn,a2c,tiny --clock cpu   # CPU time: a shared machine
   python benchmarks/loops.py --quick                # smoke run: seconds, numbers meaningless
 """
 
@@ -52,7 +58,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -62,6 +68,11 @@ try:
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import versionwatch
+
+try:
+    from versionwatch import _native  # the optional native helper, where this version has it
+except ImportError:
+    _native = None  # type: ignore[assignment]
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:
@@ -202,12 +213,50 @@ def a2c() -> Loop:
                 "5-step rollouts under no_grad, RMSprop, grad clipping", net, opt, run, block=20)
 
 
-LOOPS: dict[str, Callable[[], Loop]] = {"dqn": dqn, "a2c": a2c}
+def tiny() -> Loop:
+    """The tiny MLP of ``overhead.py`` (a), as a loop: every step trains."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(50):
+        layers += [nn.Linear(32, 32), nn.Tanh()]
+    model = nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x, y = torch.randn(4, 32), torch.randn(4, 32)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    return Loop("tiny MLP: 50 x Linear(32,32)+Tanh, batch 4, SGD(momentum), every step trains",
+                model, opt, run, block=10)
+
+
+LOOPS: dict[str, Callable[[], Loop]] = {"dqn": dqn, "a2c": a2c, "tiny": tiny}
+
+
+@contextlib.contextmanager
+def python_only(watcher: contextlib.AbstractContextManager[object]) -> Iterator[object]:
+    """``watcher`` with the native helper set aside (where this versionwatch has one)."""
+    native = _native if hasattr(_native, "CURRENT") else None
+    saved = getattr(native, "CURRENT", None)
+    if native is not None:
+        native.CURRENT = None
+    try:
+        with watcher as w:
+            yield w
+    finally:
+        if native is not None:
+            native.CURRENT = saved
 
 Config = tuple[str, Callable[[Loop], contextlib.AbstractContextManager[object]]]
 CONFIGS: list[Config] = [
     ("unwatched", lambda loop: contextlib.nullcontext()),
     ("watch", lambda loop: versionwatch.watch({"model": loop.model}, loop.opt)),
+    # The same, in pure Python: the native helper (docs/native.md) set aside.
+    ("watch_python",
+     lambda loop: python_only(versionwatch.watch({"model": loop.model}, loop.opt))),
     ("watch_all", lambda loop: versionwatch.watch_all()),
     ("strict", lambda loop: versionwatch.watch({"model": loop.model}, loop.opt, strict=True)),
     # The floor of the default mode: a watcher of an unrelated module is open,
@@ -218,13 +267,12 @@ CONFIGS: list[Config] = [
 
 
 def measure(loop: Loop, configs: list[Config], repeats: int, block: int,
-            warmup: int) -> dict[str, list[float]]:
+            warmup: int, clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Per configuration, the block time of each round (seconds)."""
     for _, make in configs:
         with make(loop):
             loop.run(warmup)
     times: dict[str, list[float]] = {name: [] for name, _ in configs}
-    clock = time.perf_counter
     for r in range(repeats):
         k = r % len(configs)
         for name, make in configs[k:] + configs[:k]:
@@ -250,12 +298,15 @@ def table(times: dict[str, list[float]], block: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--loops", default="dqn,a2c", help="comma-separated: dqn, a2c")
+    p.add_argument("--loops", default="dqn,a2c", help="comma-separated: dqn, a2c, tiny")
     p.add_argument("--configs", help="comma-separated subset (unwatched always runs)")
     p.add_argument("--repeats", type=int, default=30, help="rounds of interleaved blocks")
     p.add_argument("--block", type=int, help="env steps per block (dqn 100, a2c 20 updates)")
     p.add_argument("--warmup", type=int, default=200, help="untimed steps per configuration")
     p.add_argument("--quick", action="store_true", help="smoke run: numbers meaningless")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: this thread's CPU time (time.thread_time), steadier than the "
+                        "wall clock on a shared machine; torch runs on this thread")
     args = p.parse_args(argv)
     keys = [k.strip() for k in args.loops.split(",") if k.strip()]
     unknown = [k for k in keys if k not in LOOPS]
@@ -269,15 +320,23 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown configuration(s) {sorted(bad)}")
         configs = [c for c in CONFIGS if c[0] in wanted]
     torch.set_num_threads(1)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    status = "none in this version"
+    if _native is not None:
+        _native.native()  # decided before the first block, not inside it
+        status = _native.status() + ("" if hasattr(_native, "CURRENT")
+                                     else " (not used by this version's predictor)")
     print(f"torch {torch.__version__}, versionwatch {versionwatch.__version__}, "
-          f"Python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}")
+          f"Python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}, "
+          f"clock {args.clock}")
+    print(f"native helper: {status}")
     for key in keys:
         loop = LOOPS[key]()
         block = args.block or (4 if args.quick else loop.block)
         repeats = 2 if args.quick else args.repeats
         warmup = 4 if args.quick else args.warmup
         t0 = time.perf_counter()
-        times = measure(loop, configs, repeats, block, warmup)
+        times = measure(loop, configs, repeats, block, warmup, clock)
         print(f"\n### {loop.name}\n")
         print(f"{repeats} rounds x {block} steps per configuration; "
               f"{time.perf_counter() - t0:.0f} s\n")

@@ -303,15 +303,18 @@ def test_a_planted_mismatch_disables_the_helper(ext: Any, fresh: pytest.MonkeyPa
 
 def test_the_self_test_runs_the_python_predictor(ext: Any, fresh: pytest.MonkeyPatch) -> None:
     """Once the predictor asks native() for the helper, the self-test's own
-    checks must get None (Python), not wait for the decision they are part of."""
-    real = versionwatch.check
+    checks must get None (Python), not wait for the decision they are part of.
+    Seen inside the predictor: wrappers of ``versionwatch.check`` never see them."""
+    from versionwatch import _predict
+
+    real = _predict._predict
     seen: list[Any] = []
 
-    def check(*args: Any, **kwargs: Any) -> Any:
+    def inner(*args: Any, **kwargs: Any) -> Any:
         seen.append(_native.native())
         return real(*args, **kwargs)
 
-    fresh.setattr(versionwatch, "check", check)
+    fresh.setattr(_predict, "_predict", inner)
     done: list[Any] = []
     thread = threading.Thread(target=lambda: done.append(_native.native()), daemon=True)
     thread.start()
@@ -647,3 +650,98 @@ def test_cuda_graphs_and_versions(ext: Any) -> None:
     assert "is at version" in found[0][3]
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+# -- the helper inside a watcher ------------------------------------------------------------
+def test_a_watcher_takes_the_native_clean_answer(ext: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clean backward under a watcher is the native answer (no Python walk), over the
+    same nodes and saved tensors; a stale one, and a fused step's silent writes, go to
+    the Python predictor, whose report it is."""
+    from versionwatch import _predict
+
+    # Decided before counting: the self-test of a fresh decision runs the Python predictor.
+    assert _native.native() is not None
+    walked: list[int] = []
+    python = _predict._predict
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        walked.append(1)
+        return python(*args, **kwargs)
+
+    monkeypatch.setattr(_predict, "_predict", counting)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    got: list[versionwatch.Report] = []
+    seen: list[versionwatch.Report] = []
+    real = _predict.predict
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    from versionwatch import _watch
+
+    monkeypatch.setattr(_watch, "predict", keep)
+    with versionwatch.watch(model, opt, on_hazard=got.append):
+        loss = model(x).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert walked == [] and got == []
+        expected = versionwatch.check(model(x).sum())  # the public check: Python
+        walked.clear()
+        loss = model(x).sum()
+        loss.backward()
+        assert walked == [] and (seen[-1].nodes, seen[-1].saved_checked) == \
+            (expected.nodes, expected.saved_checked)
+        loss = model(x).sum()
+        opt.step()  # the saved weights are stale now
+        with pytest.raises(RuntimeError):
+            loss.backward()
+    assert walked == [1] and len(got) == 1 and got[0].hazards
+
+
+def test_the_ledger_reads_versions_through_a_version_set(ext: Any) -> None:
+    """A ledger layout made while the helper is loaded carries a VersionSet whose
+    baseline is the layout's versions: ``moved`` says what a Python read says."""
+    from versionwatch._ledger import moved
+
+    assert _native.native() is not None  # decided (an earlier test may have reset it)
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 3)
+    with versionwatch.watch(model, opt) as w:
+        model(x).sum().backward()
+        opt.step()
+        layout = w.ledger._layout
+        assert layout is not None and layout[5] is not None
+        assert not moved(layout) and read_versions(layout[1]) == layout[3]
+        with torch.no_grad():
+            model.bias.add_(1.0)
+        assert moved(layout) and read_versions(layout[1]) != layout[3]
+        with torch.no_grad():
+            model(x)  # sees the write: an event between, and a new layout
+        assert w.ledger._layout is not layout and not moved(w.ledger._layout)
+        rows = [ev.label for ev, _ in w.ledger.table([id(model.bias)])]
+    assert "(between SGD.step() #1 and forward #2)" in rows
+
+
+def test_the_self_test_is_not_seen_by_wrappers_of_check(ext: Any,
+                                                         fresh: pytest.MonkeyPatch) -> None:
+    """``versionwatch fix``'s child wraps ``check`` to catch the program's own checks: the
+    self-test, which runs at a watcher's first backward, must not pass for the program."""
+    from versionwatch import _predict
+
+    seen: list[int] = []
+    inner = _predict.check
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        seen.append(1)
+        return inner(*args, **kwargs)
+
+    fresh.setattr(_predict, "check", wrapper)
+    fresh.setattr(versionwatch, "check", wrapper, raising=False)
+    assert _native.native() is not None
+    assert seen == []

@@ -865,3 +865,34 @@ def test_an_optimizer_given_twice_is_one_optimizer():
             opt.step()
     assert [e.label for e in w.ledger.events if e.kind == "step"] == [
         "AdamW.step() #1", "Adam.step() #1"]
+
+
+def test_a_param_swapped_in_place_in_a_group_is_adopted() -> None:
+    """The step's cache of an optimizer's params holds only while its groups hold the
+    same tensors: a param put in place of another inside a group's own list (same list,
+    same length) is adopted at the next step, and its writes are the step's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    extra = nn.Linear(3, 3)  # an unrelated module's weight: not the model's
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    with versionwatch.watch(model, opt) as w:
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+        group = opt.param_groups[0]["params"]
+        group[0] = model[0].weight  # same list, same length, another tensor
+        assert id(model[0].weight) not in w.names
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        assert w.names[id(model[0].weight)] == "model.0.weight"
+        history = w.ledger.tracked[id(model[0].weight)].history
+        assert [t.modification.description for t in history][-1] == "SGD.step() #3"
+        group[0] = extra.weight  # not watched: the guard sees it, and adopts nothing
+        opt.zero_grad()
+        extra.weight.grad = torch.zeros_like(extra.weight)
+        opt.step()
+        assert id(extra.weight) not in w.names

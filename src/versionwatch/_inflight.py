@@ -177,7 +177,8 @@ def depart(flight: Flight, nodes: Sequence[Any]) -> None:
     with _COND:
         if ids is None and threading.active_count() > 1:
             held = list(nodes)  # a thread started meanwhile
-            ids = frozenset(map(id, held))
+            # No nodes (the native check walks none): unknown, as a lone flight.
+            ids = frozenset(map(id, held)) if held else None
         flight.nodes, flight.held = ids, held
 
         def blocking() -> list[Flight]:

@@ -14,10 +14,11 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from versionwatch import _native
 from versionwatch._report import Hazard, Modification, Site
 
 
@@ -92,9 +93,34 @@ def read_versions(refs: list[weakref.ref[torch.Tensor]]) -> list[int] | None:
         return None
 
 
+# (keys, refs, tracked, their versions at the last scan, that scan's snapshot,
+# and the native VersionSet of refs whose baseline is those versions, or None).
 _Layout = tuple[
-    list[int], list["weakref.ref[torch.Tensor]"], list[Tracked], list[int], dict[int, int]
+    list[int], list["weakref.ref[torch.Tensor]"], list[Tracked], list[int], dict[int, int],
+    Any,
 ]
+
+
+def moved(layout: _Layout) -> bool:
+    """Whether a version moved since ``layout``'s scan (or a watched tensor died).
+
+    ``read_versions(layout[1]) != layout[3]``, natively where the helper is
+    loaded: a layout's VersionSet keeps the baseline it was made with.
+    """
+    vs = layout[5]
+    if vs is not None:
+        return vs.changed() is not False
+    return read_versions(layout[1]) != layout[3]
+
+
+def _version_set(refs: list[weakref.ref[torch.Tensor]], now: list[int]) -> Any:
+    """A VersionSet of ``refs`` whose baseline is ``now``, or None (no helper, or a
+    version moved meanwhile on another thread: the layout then reads in Python)."""
+    ext = _native.CURRENT
+    if ext is None:
+        return None
+    vs = ext.VersionSet(refs)
+    return vs if vs.versions() == now else None
 
 
 _F = TypeVar("_F", bound=Callable[..., object])
@@ -105,14 +131,125 @@ def _locked(method: _F) -> _F:
     """Run under the ledger's lock: threads record, scan and blame at once."""
 
     @functools.wraps(method)
-    def run(self: Ledger, *args: object, **kwargs: object) -> object:
+    def run(self: LedgerQueries, *args: object, **kwargs: object) -> object:
         with self._lock:
             return method(self, *args, **kwargs)
 
     return run  # type: ignore[return-value]
 
 
-class Ledger:
+class LedgerQueries:
+    """The reading side of a :class:`Ledger`: what a report, a timeline and blame ask of it.
+
+    Apart from the recording side, which runs at every training event; both
+    take the ledger's lock.
+    """
+
+    tracked: dict[int, Tracked]
+    events: deque[Event]
+    versions: deque[dict[int, int]]
+    _lock: threading.RLock
+
+    @_locked
+    def blame(self, h: Hazard, key: int) -> None:
+        """Fill ``h.modified_by`` and ``h.saved_during`` from the history of tensor ``key``."""
+        tr = self.tracked.get(key)
+        if tr is None or h.saved_version is None or h.current_version is None:
+            return
+        saved, now = h.saved_version, h.current_version
+        began, left = 0, None
+        for tn in tr.history:
+            if tn.new == saved and tn.old != saved:
+                began, left = tn.event, None
+            if tn.old == saved and tn.new != saved and left is None:
+                left = tn.event
+            silent = tn.old == tn.new
+            if silent and h.kind == "silent" and tn.new == saved:
+                h.modified_by.append(tn.modification)
+            elif not silent and saved <= tn.old and tn.new <= now:
+                m = tn.modification
+                h.modified_by.append(replace(m, versions=(tn.old, tn.new)))
+            else:
+                continue
+            if tn.note and tn.note not in h.notes:
+                h.notes.append(tn.note)
+        if h.saved_during:
+            return
+        forwards = [ev for ev in self.events if ev.kind == "forward"]
+        chosen = None
+        if h.seq is not None:
+            # The last forward that began before the saving node was created,
+            # on this thread: the backward's, taken for the node's (the node
+            # does not say which thread's counter numbered it).
+            me = threading.get_ident()
+            timed = [ev for ev in forwards
+                     if ev.seq is not None and ev.seq < h.seq and ev.thread == me]
+            chosen = timed[-1] if timed else None
+        if chosen is None:  # by versions: the last forward while the tensor was at `saved`
+            chosen = next((ev for ev in reversed(forwards) if ev.index >= began
+                           and (left is None or ev.index < left)), None)
+        if chosen is not None:
+            h.saved_during = chosen.label + (f" at {chosen.site}" if chosen.site else "")
+
+    @_locked
+    def place_forward(self, h: Hazard) -> bool:
+        """Name the forward (and its module) that made ``h``'s saving node, by sequence number.
+
+        A forward's events hold the autograd clock at its start and end (the
+        number of the last node made by then): a node numbered above the first
+        and at most the second was made inside it. Clocks count per thread, so
+        only this thread's forwards compare (the backward's thread stands in
+        for the forward's, as in :meth:`blame`); the innermost range wins.
+        """
+        seq = h.seq
+        if seq is None:
+            return False
+        me = threading.get_ident()
+        starts: dict[str, Event] = {}
+        best: tuple[int, Event] | None = None
+        for ev in self.events:
+            if ev.thread != me or ev.seq is None:
+                continue
+            # By the label without the thread's name: a second thread that started
+            # during this forward named its end, not its start.
+            if ev.kind == "forward":
+                starts[_bare_label(ev.label)] = ev
+            elif ev.kind == "forward_end":
+                start = starts.pop(_bare_label(ev.label[len("end of "):]), None)
+                if start is not None and start.seq is not None \
+                        and start.seq < seq <= ev.seq \
+                        and (best is None or ev.seq - start.seq < best[0]):
+                    best = (ev.seq - start.seq, start)
+        if best is None:
+            return False
+        start = best[1]
+        if h.module is None:
+            h.module = start.module
+        if h.saved_during is None:
+            h.saved_during = start.label + (f" at {start.site}" if start.site else "")
+        return True
+
+    @_locked
+    def freer(self, seq: int) -> Event | None:
+        """The first freeing backward on this thread that began after node ``seq`` was made.
+
+        The last backward recorded is the one being predicted: never its own freer.
+        """
+        me = threading.get_ident()
+        backwards = [ev for ev in self.events if ev.kind == "backward"]
+        for ev in backwards[:-1]:
+            if ev.frees and ev.thread == me and ev.seq is not None and ev.seq >= seq:
+                return ev
+        return None
+
+    @_locked
+    def table(self, keys: list[int]) -> list[tuple[Event, list[int | None]]]:
+        return [
+            (ev, [vs.get(k) for k in keys]) for ev, vs in zip(self.events, self.versions)
+        ]
+
+
+class Ledger(LedgerQueries):
     """Versions of the watched tensors at each event. Safe to use from several threads."""
 
     def __init__(self, max_events: int = 512, max_history: int = 256) -> None:
@@ -237,6 +374,8 @@ class Ledger:
                     bare = _bare_label(label)
                     start = next((e for e in reversed(self.events)
                                   if e.thread == me and _bare_label(e.label) == bare), None)
+                elif self.events and self.events[-1].label == label:
+                    start = self.events[-1]  # the usual case: the start just before
                 else:
                     start = next((e for e in reversed(self.events) if e.label == label), None)
                 label, site = f"end of {label}", site or (start.site if start else None)
@@ -245,7 +384,12 @@ class Ledger:
             if layout is not None:
                 # _scan's fast path inline, for the usual event that moved nothing
                 # (a watched tensor that died gives None: _scan drops it).
-                now = layout[3] if unchanged else read_versions(layout[1])
+                vs = layout[5]
+                now: list[int] | None
+                if unchanged or (vs is not None and vs.changed() is False):
+                    now = layout[3]
+                else:
+                    now = read_versions(layout[1])
                 if now == layout[3]:
                     versions = layout[4]
                     if (cause is None and not unchanged and self.versions
@@ -274,8 +418,7 @@ class Ledger:
         """
         with self._lock:
             layout = self._layout
-            if layout is not None and not self.threaded \
-                    and read_versions(layout[1]) == layout[3]:
+            if layout is not None and not self.threaded and not moved(layout):
                 return self.record(kind, label, seq=seq, unchanged=True)
             return self.record(kind, label, None, cause=Modification(cause_kind, cause_text),
                                seq=seq)
@@ -295,8 +438,10 @@ class Ledger:
         """
         layout = self._layout
         if layout is not None:
-            keys, refs, trs, last, snapshot = layout
+            keys, refs, trs, last, snapshot, vs = layout
             if now is None:
+                if vs is not None and vs.changed() is False:
+                    return snapshot  # nothing moved, as below
                 now = read_versions(refs)  # None if a watched tensor died: the slow path
             if now is not None:
                 if now == last:  # nothing moved: share the previous snapshot
@@ -312,7 +457,7 @@ class Ledger:
                         tr.history.append(_tuple_new(Transition, (old, v, count, m, note)))
                         tr.last = v
                 snapshot = dict(zip(keys, now))
-                self._layout = (keys, refs, trs, now, snapshot)
+                self._layout = (keys, refs, trs, now, snapshot, _version_set(refs, now))
                 return snapshot
         versions: dict[int, int] = {}
         dead = []
@@ -335,8 +480,9 @@ class Ledger:
             if self.by_name.get(tr.name) is tr:
                 del self.by_name[tr.name]
         trs = list(self.tracked.values())
-        self._layout = (list(self.tracked), [tr.ref for tr in trs], trs,
-                        [tr.last for tr in trs], versions)
+        refs = [tr.ref for tr in trs]
+        last = [tr.last for tr in trs]
+        self._layout = (list(self.tracked), refs, trs, last, versions, _version_set(refs, last))
         return versions
 
     def _between(self, upcoming: str, site: Site | None) -> Modification:
@@ -357,102 +503,3 @@ class Ledger:
         tr = self.tracked.get(id(t))
         if tr is not None:
             tr.history.append(Transition(t._version, t._version, self.count, mod, note))
-
-    # -- blame ---------------------------------------------------------------------
-    @_locked
-    def blame(self, h: Hazard, key: int) -> None:
-        """Fill ``h.modified_by`` and ``h.saved_during`` from the history of tensor ``key``."""
-        tr = self.tracked.get(key)
-        if tr is None or h.saved_version is None or h.current_version is None:
-            return
-        saved, now = h.saved_version, h.current_version
-        began, left = 0, None
-        for tn in tr.history:
-            if tn.new == saved and tn.old != saved:
-                began, left = tn.event, None
-            if tn.old == saved and tn.new != saved and left is None:
-                left = tn.event
-            silent = tn.old == tn.new
-            if silent and h.kind == "silent" and tn.new == saved:
-                h.modified_by.append(tn.modification)
-            elif not silent and saved <= tn.old and tn.new <= now:
-                m = tn.modification
-                h.modified_by.append(replace(m, versions=(tn.old, tn.new)))
-            else:
-                continue
-            if tn.note and tn.note not in h.notes:
-                h.notes.append(tn.note)
-        if h.saved_during:
-            return
-        forwards = [ev for ev in self.events if ev.kind == "forward"]
-        chosen = None
-        if h.seq is not None:
-            # The last forward that began before the saving node was created,
-            # on this thread: the backward's, taken for the node's (the node
-            # does not say which thread's counter numbered it).
-            me = threading.get_ident()
-            timed = [ev for ev in forwards
-                     if ev.seq is not None and ev.seq < h.seq and ev.thread == me]
-            chosen = timed[-1] if timed else None
-        if chosen is None:  # by versions: the last forward while the tensor was at `saved`
-            chosen = next((ev for ev in reversed(forwards) if ev.index >= began
-                           and (left is None or ev.index < left)), None)
-        if chosen is not None:
-            h.saved_during = chosen.label + (f" at {chosen.site}" if chosen.site else "")
-
-    @_locked
-    def place_forward(self, h: Hazard) -> bool:
-        """Name the forward (and its module) that made ``h``'s saving node, by sequence number.
-
-        A forward's events hold the autograd clock at its start and end (the
-        number of the last node made by then): a node numbered above the first
-        and at most the second was made inside it. Clocks count per thread, so
-        only this thread's forwards compare (the backward's thread stands in
-        for the forward's, as in :meth:`blame`); the innermost range wins.
-        """
-        seq = h.seq
-        if seq is None:
-            return False
-        me = threading.get_ident()
-        starts: dict[str, Event] = {}
-        best: tuple[int, Event] | None = None
-        for ev in self.events:
-            if ev.thread != me or ev.seq is None:
-                continue
-            # By the label without the thread's name: a second thread that started
-            # during this forward named its end, not its start.
-            if ev.kind == "forward":
-                starts[_bare_label(ev.label)] = ev
-            elif ev.kind == "forward_end":
-                start = starts.pop(_bare_label(ev.label[len("end of "):]), None)
-                if start is not None and start.seq is not None \
-                        and start.seq < seq <= ev.seq \
-                        and (best is None or ev.seq - start.seq < best[0]):
-                    best = (ev.seq - start.seq, start)
-        if best is None:
-            return False
-        start = best[1]
-        if h.module is None:
-            h.module = start.module
-        if h.saved_during is None:
-            h.saved_during = start.label + (f" at {start.site}" if start.site else "")
-        return True
-
-    @_locked
-    def freer(self, seq: int) -> Event | None:
-        """The first freeing backward on this thread that began after node ``seq`` was made.
-
-        The last backward recorded is the one being predicted: never its own freer.
-        """
-        me = threading.get_ident()
-        backwards = [ev for ev in self.events if ev.kind == "backward"]
-        for ev in backwards[:-1]:
-            if ev.frees and ev.thread == me and ev.seq is not None and ev.seq >= seq:
-                return ev
-        return None
-
-    @_locked
-    def table(self, keys: list[int]) -> list[tuple[Event, list[int | None]]]:
-        return [
-            (ev, [vs.get(k) for k in keys]) for ev, vs in zip(self.events, self.versions)
-        ]

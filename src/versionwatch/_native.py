@@ -47,6 +47,9 @@ class _State:
 
 _STATE = _State()
 _LOCK = threading.Lock()
+# The loaded, self-tested extension once decided, else None: what the
+# predictor reads at every backward (one global read, no call).
+CURRENT: Any = None
 
 
 def native() -> Any | None:
@@ -87,7 +90,9 @@ def status() -> str:
 
 def _reset() -> None:
     """Forget the decision (tests; ``versionwatch native build`` before loading)."""
+    global CURRENT
     with _LOCK:
+        CURRENT = None
         _STATE.tried = False
         _STATE.module = None
         _STATE.line = ""
@@ -155,6 +160,8 @@ def _load(allow_build: bool) -> None:
 
 
 def _done(module: Any, line: str) -> None:
+    global CURRENT
+    CURRENT = module
     _STATE.module = module
     _STATE.line = line
     _STATE.tried = True

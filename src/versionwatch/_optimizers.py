@@ -14,6 +14,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Sequence
+from itertools import chain
 from types import FrameType
 from typing import TYPE_CHECKING, NamedTuple, cast
 
@@ -56,15 +57,33 @@ class ParamCache:
     """An optimizer's watched params, reused while its groups hold the same tensors.
 
     Weak: an open watcher must not keep a deleted model's parameters alive.
+    ``alive`` drops as soon as one of them dies (a weak reference's callback),
+    so the per-step check is one comparison of the groups' param ids.
     """
 
-    __slots__ = ("ids", "refs", "tracked")
+    __slots__ = ("__weakref__", "alive", "ids", "refs", "tracked")
 
-    def __init__(self, ids: list[list[int]], params: list[torch.Tensor],
+    def __init__(self, ids: list[int], params: list[torch.Tensor],
                  tracked: list[Tracked | None]) -> None:
-        self.ids = ids  # each group's param ids
-        self.refs = [weakref.ref(p) for p in params]
+        self.ids = ids  # the ids of every param of the groups, in order
+        self.alive = True
+        me = weakref.ref(self)
+
+        def dead(_: object) -> None:
+            cache = me()
+            if cache is not None:
+                cache.alive = False
+
+        self.refs = [weakref.ref(p, dead) for p in params]
         self.tracked = tracked  # their ledger entries
+
+
+def group_ids(opt: Optimizer) -> list[int]:
+    """The ids of the params of ``opt``'s groups, in order: a swapped param changes them."""
+    groups = opt.param_groups
+    if len(groups) == 1:
+        return list(map(id, groups[0]["params"]))
+    return list(map(id, chain.from_iterable([g["params"] for g in groups])))
 
 
 class OptimizerState:
@@ -138,6 +157,10 @@ class OptimizerEvents:
         # step, and the thread that clock was read on.
         self._silent: dict[int, int] = {}
         self._silent_on: dict[int, int] = {}
+        # Optimizers found to step none of the watched params, by id: (the
+        # optimizer, weakly; len(names) then, which only grows; its group ids).
+        # Asked again only once either changed: their hooks run at every step.
+        self._not_ours: dict[int, tuple[weakref.ref[Optimizer], int, list[int]]] = {}
 
     # -- which optimizers --------------------------------------------------------------
     def _add_optimizer(self, opt: Optimizer, explicit: bool) -> OptimizerState | None:
@@ -174,19 +197,35 @@ class OptimizerEvents:
         state = self._optimizers.get(id(opt))
         if state is not None and state.ref() is opt:
             return state
-        return self._add_optimizer(opt, explicit=False)
+        known = self._not_ours.get(id(opt))
+        if known is not None and known[0]() is opt and known[1] == len(self.names) \
+                and known[2] == group_ids(opt):
+            return None
+        state = self._add_optimizer(opt, explicit=False)
+        if state is None:
+            if len(self._not_ours) >= 64:  # dead ones' entries: a bound, not a sweep
+                self._not_ours.clear()
+            self._not_ours[id(opt)] = (weakref.ref(opt), len(self.names), group_ids(opt))
+        return state
 
-    def _watched(self, opt: Optimizer) -> tuple[list[torch.Tensor], list[Tracked | None]]:
-        """The optimizer's watched params and their ledger entries (cached per state)."""
-        state = self._optimizers.get(id(opt))
-        ids = [list(map(id, g["params"])) for g in opt.param_groups]
+    def _watched(self, opt: Optimizer, state: OptimizerState | None = None,
+                 need: bool = True) -> tuple[list[torch.Tensor], list[Tracked | None]]:
+        """The optimizer's watched params and their ledger entries (cached per state).
+
+        ``state``: ``opt``'s, when known. ``need=False``: the params are not
+        needed, only adopting those added since (the list is then empty while
+        the cache holds).
+        """
+        if state is None:
+            state = self._optimizers.get(id(opt))
+        ids = group_ids(opt)
         cache = state.params if state is not None else None
-        if cache is not None and cache.ids == ids:
-            params = [r() for r in cache.refs]
-            # The same ids, and the groups hold tensors with these ids alive:
-            # only a dead one's id reused breaks the cache.
-            if not any(p is None for p in params):
-                return cast("list[torch.Tensor]", params), cache.tracked
+        # The same ids, and the groups hold tensors with these ids alive: only a
+        # dead one's id reused breaks the cache, and a death clears ``alive``.
+        if cache is not None and cache.alive and cache.ids == ids:
+            if not need:
+                return [], cache.tracked
+            return cast("list[torch.Tensor]", [r() for r in cache.refs]), cache.tracked
         out = []
         complete = True
         for g in opt.param_groups:
@@ -226,12 +265,12 @@ class OptimizerEvents:
         if set_to_none:  # every .grad is None now
             # Until some zero_grad keeps grads, every mark is None or _NO_GRAD,
             # and both mean the same to _on_step_pre: nothing to update.
-            for tr in self._watched(opt)[1] if self._kept_grads else ():
+            for tr in self._watched(opt, state, need=False)[1] if self._kept_grads else ():
                 if tr is not None:
                     tr.grad_mark = _NO_GRAD
         else:
             self._kept_grads = True
-            params, trs = self._watched(opt)
+            params, trs = self._watched(opt, state)
             for p, tr in zip(params, trs):
                 if tr is not None:
                     g = p.grad
@@ -259,14 +298,18 @@ class OptimizerEvents:
         self.ledger.sync(label, site)
         touched: list[tuple[weakref.ref[torch.Tensor], int]] = []
         notes: dict[int, str] = {}
-        params, trs = self._watched(opt)  # also adopts params added since
-        if self.repairer is not None and self.repairer.roots and not self.strict:
+        is_fused = fused(opt)
+        repair = bool(self.repairer is not None and self.repairer.roots and not self.strict)
+        threads = threading.active_count() > 1
+        # Also adopts params added since; the params themselves only when used below.
+        params, trs = self._watched(opt, state,
+                                    need=repair or threads or self._kept_grads or is_fused)
+        if repair:
             self._repair_step(params, label, site)
-        if threading.active_count() > 1:
+        if threads:
             # Another thread's event may scan while this step runs.
             self.ledger.begin_step(label, [id(p) for p in params],
                                    Modification("optimizer.step", label, site))
-        is_fused = fused(opt)
         # Only fused steps need the versions before, and only zero_grad(set_to_none=
         # False) leaves marks that make notes: otherwise skip the per-param loop.
         if not (self._kept_grads or is_fused):
