@@ -73,6 +73,10 @@ try:
     from versionwatch import _native  # the optional native helper, where this version has it
 except ImportError:
     _native = None  # type: ignore[assignment]
+try:
+    from versionwatch import _native_state  # what the predictor reads: the helper, or None
+except ImportError:  # a version whose predictor does not use the helper
+    _native_state = None  # type: ignore[assignment]
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:
@@ -239,7 +243,7 @@ LOOPS: dict[str, Callable[[], Loop]] = {"dqn": dqn, "a2c": a2c, "tiny": tiny}
 @contextlib.contextmanager
 def python_only(watcher: contextlib.AbstractContextManager[object]) -> Iterator[object]:
     """``watcher`` with the native helper set aside (where this versionwatch has one)."""
-    native = _native if hasattr(_native, "CURRENT") else None
+    native = _native_state
     saved = getattr(native, "CURRENT", None)
     if native is not None:
         native.CURRENT = None
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     status = "none in this version"
     if _native is not None:
         _native.native()  # decided before the first block, not inside it
-        status = _native.status() + ("" if hasattr(_native, "CURRENT")
+        status = _native.status() + ("" if _native_state is not None
                                      else " (not used by this version's predictor)")
     print(f"torch {torch.__version__}, versionwatch {versionwatch.__version__}, "
           f"Python {platform.python_version()}, load average {os.getloadavg()[0]:.2f}, "

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from versionwatch import _native
+from versionwatch import _native_state
 from versionwatch._report import Hazard, Modification, Site
 
 
@@ -116,7 +116,7 @@ def moved(layout: _Layout) -> bool:
 def _version_set(refs: list[weakref.ref[torch.Tensor]], now: list[int]) -> Any:
     """A VersionSet of ``refs`` whose baseline is ``now``, or None (no helper, or a
     version moved meanwhile on another thread: the layout then reads in Python)."""
-    ext = _native.CURRENT
+    ext = _native_state.CURRENT
     if ext is None:
         return None
     vs = ext.VersionSet(refs)

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-from versionwatch import _native_build
+from versionwatch import _native_build, _native_state
 from versionwatch._native_build import ENV_MODE, mode
 
 FAULT_ENV = "VERSIONWATCH_NATIVE_FAULT"  # a test hook: "clean" plants a wrong answer
@@ -47,9 +47,6 @@ class _State:
 
 _STATE = _State()
 _LOCK = threading.Lock()
-# The loaded, self-tested extension once decided, else None: what the
-# predictor reads at every backward (one global read, no call).
-CURRENT: Any = None
 
 
 def native() -> Any | None:
@@ -74,6 +71,11 @@ def native() -> Any | None:
     return _STATE.module
 
 
+def decided() -> bool:
+    """Whether :func:`native` has decided for this process (one attribute read)."""
+    return _STATE.tried
+
+
 def status() -> str:
     """One line: loaded, not built, disabled or unavailable, and why. Builds nothing."""
     try:
@@ -90,9 +92,8 @@ def status() -> str:
 
 def _reset() -> None:
     """Forget the decision (tests; ``versionwatch native build`` before loading)."""
-    global CURRENT
     with _LOCK:
-        CURRENT = None
+        _native_state.CURRENT = None
         _STATE.tried = False
         _STATE.module = None
         _STATE.line = ""
@@ -160,8 +161,7 @@ def _load(allow_build: bool) -> None:
 
 
 def _done(module: Any, line: str) -> None:
-    global CURRENT
-    CURRENT = module
+    _native_state.CURRENT = module
     _STATE.module = module
     _STATE.line = line
     _STATE.tried = True

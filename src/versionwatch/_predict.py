@@ -20,7 +20,7 @@ from typing import Any, Union
 import torch
 from torch.autograd.graph import Node
 
-from versionwatch import _engine, _native
+from versionwatch import _engine, _native_state
 from versionwatch._advice import fix_for
 from versionwatch._arguments import Api, BadCall, Call, Edge, after_run, bind, parse
 from versionwatch._checker import CHECKER
@@ -162,9 +162,7 @@ def predict(
     call = parse(api, outputs, inputs)
     gate = _GATE.fn
     if call.inputs is None and not silent:
-        ext = _native.CURRENT
-        if ext is None and not _native._STATE.tried:
-            ext = _native.native()  # once: loads (or builds) and self-tests it
+        ext = _native_state.CURRENT  # decided by the watcher's first backward
         # Native only while this thread is alone: the gate then needs no nodes
         # (a thread started meanwhile makes an empty one block, as unknown).
         if ext is not None and (gate is None or threading.active_count() == 1):

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from versionwatch import _blame, _distributed, _forward, _strict
+from versionwatch import _blame, _distributed, _forward, _native, _strict
 from versionwatch._active import ACTIVE, LOCK, thread_stack
 from versionwatch._advice import fix_for
 from versionwatch._backward import BackwardEvents
@@ -222,6 +222,8 @@ class Watcher(ForwardEvents, BackwardEvents, OptimizerEvents):
 
     def _predict(self, outputs: Any, inputs: Any, api: str, names: dict[int, str],
                  silent: dict[int, int] | None) -> Report:
+        if not _native.decided():
+            _native.native()  # once per process: loads (or builds) and self-tests it
         # Looked up in this module at each call: an observer assigned to
         # ``_watch.predict`` sees every prediction.
         return predict(outputs, inputs, api, names, silent)  # type: ignore[arg-type]
