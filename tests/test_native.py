@@ -661,6 +661,10 @@ def test_a_watcher_takes_the_native_clean_answer(ext: Any, monkeypatch: pytest.M
 
     # Decided before counting: the self-test of a fresh decision runs the Python predictor.
     assert _native.native() is not None
+    if _predict._GATE.fn is not None and threading.active_count() > 1:
+        # Threads left by earlier tests, with the in-flight gate on: the helper is
+        # rightly set aside (docs/native.md), and this test would see nothing.
+        pytest.skip("other threads are alive and the in-flight gate is on")
     walked: list[int] = []
     python = _predict._predict
 
