@@ -543,10 +543,11 @@ def test_a_check_that_runs_too_long_is_ended(tmp_path: Path, monkeypatch: pytest
     facts = FixFacts("inplace", node="SigmoidBackward0", write=line_of(tmp_path / "slow.py",
                                                                          "y.mul_(2)"))
     # Its own fork server: started under no_process_left's tag, its runs are seen.
-    result = fix(["slow.py"], facts=facts, timeout=6)
+    # 15 s: the fork server imports torch inside the limit (4 s on an idle CI machine).
+    result = fix(["slow.py"], facts=facts, timeout=15)
     (cand,) = result.candidates
     assert not cand.verified
-    assert cand.why == "the patched program did not reach backward #4 within 6 s"
+    assert cand.why == "the patched program did not reach backward #4 within 15 s"
 
 
 def test_apply_writes_only_what_was_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
