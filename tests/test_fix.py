@@ -543,7 +543,7 @@ def test_a_check_that_runs_too_long_is_ended(tmp_path: Path, monkeypatch: pytest
     facts = FixFacts("inplace", node="SigmoidBackward0", write=line_of(tmp_path / "slow.py",
                                                                          "y.mul_(2)"))
     # Its own fork server: started under no_process_left's tag, its runs are seen.
-    # 15 s: the fork server imports torch inside the limit (4 s on an idle CI machine).
+    # 15 s: the fork server imports torch inside the limit (4 s on an idle 2-core machine here).
     result = fix(["slow.py"], facts=facts, timeout=15)
     (cand,) = result.candidates
     assert not cand.verified
