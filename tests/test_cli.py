@@ -393,6 +393,10 @@ def test_bad_environment_variables_are_one_line_errors(tmp_path: Path):
         "use one of: raise, warn, log, repair\n"))
     r = vw("run", "--on-hazard", "garbage", "prog.py", cwd=tmp_path, env=base)
     assert r.returncode == 2 and "Traceback" not in r.stderr
+    r = vw("run", "prog.py", cwd=tmp_path, env={**base, "VERSIONWATCH_NATIVE": "garbage"})
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    assert r.stderr.startswith("versionwatch run: error: VERSIONWATCH_NATIVE='garbage' is not "
+                               "valid; use auto"), r.stderr
     # torchrun's: they only label the report, and the program decides what they mean;
     # garbage there is no distributed run, and the run is the plain one.
     for env in ({"RANK": "zero", "WORLD_SIZE": "2"}, {"RANK": "0", "WORLD_SIZE": "two"}):

@@ -112,6 +112,21 @@ def test_mode_takes_auto_0_1_and_names_the_variable_otherwise(fresh: pytest.Monk
     assert _native.status().startswith("error: VERSIONWATCH_NATIVE='yes' is not valid")
 
 
+def test_a_bad_mode_is_refused_when_a_watcher_opens(fresh: pytest.MonkeyPatch) -> None:
+    """Not at the first backward, where the prediction would be dropped without a word
+    (a stale weight then went unreported under ``VERSIONWATCH_NATIVE=yes``)."""
+    fresh.setenv("VERSIONWATCH_NATIVE", "yes")
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"^VERSIONWATCH_NATIVE='yes' is not valid; use auto"):
+        versionwatch.watch(model)
+    with pytest.raises(ValueError, match=r"^VERSIONWATCH_NATIVE='yes' is not valid"):
+        versionwatch.watch_all()
+    fresh.setenv("VERSIONWATCH_NATIVE", "0")
+    with versionwatch.watch(model) as w:  # nothing of the refused ones stayed behind
+        model(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    assert w.backward_count == 1 and not w.reports
+
+
 def test_zero_disables_without_looking(fresh: pytest.MonkeyPatch, tmp_path: Path) -> None:
     fresh.setenv("VERSIONWATCH_NATIVE", "0")
     fresh.setenv("VERSIONWATCH_NATIVE_DIR", str(tmp_path))

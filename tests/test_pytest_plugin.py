@@ -170,6 +170,12 @@ def test_bad_policy_variable_is_a_usage_error(suite: pytest.Pytester,
     result.stdout.fnmatch_lines(["*test_suite.py::test_marked: VERSIONWATCH_ON_HAZARD="
                                  "'garbage' is not a valid policy*"])
     assert "_pytest_plugin.py" not in result.stdout.str()
+    # The native helper's variable, as well: refused before any test runs.
+    monkeypatch.delenv("VERSIONWATCH_ON_HAZARD")
+    monkeypatch.setenv("VERSIONWATCH_NATIVE", "garbage")
+    result = suite.runpytest_subprocess("--versionwatch", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: VERSIONWATCH_NATIVE='garbage' is not valid; use auto*"])
 
 
 OWN_WATCHER = """

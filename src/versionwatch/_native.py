@@ -71,11 +71,6 @@ def native() -> Any | None:
     return _STATE.module
 
 
-def decided() -> bool:
-    """Whether :func:`native` has decided for this process (one attribute read)."""
-    return _STATE.tried
-
-
 def status() -> str:
     """One line: loaded, not built, disabled or unavailable, and why. Builds nothing."""
     try:

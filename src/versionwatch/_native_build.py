@@ -55,12 +55,19 @@ def mode() -> str:
     Raises:
         ValueError: any other value, naming the variable and the valid ones.
     """
+    problem = mode_problem()
+    if problem is not None:
+        raise ValueError(problem)
+    return os.environ.get(ENV_MODE, "").strip() or "auto"
+
+
+def mode_problem() -> str | None:
+    """What is wrong with ``$VERSIONWATCH_NATIVE``, in one line; ``None`` if nothing."""
     value = os.environ.get(ENV_MODE, "").strip() or "auto"
     if value not in MODES:
-        raise ValueError(
-            f"{ENV_MODE}={value!r} is not valid; use auto (load the native helper if it is "
-            "built, the default), 1 (build it at first use) or 0 (never use it)")
-    return value
+        return (f"{ENV_MODE}={value!r} is not valid; use auto (load the native helper if it "
+                "is built, the default), 1 (build it at first use) or 0 (never use it)")
+    return None
 
 
 def cache_root() -> Path:

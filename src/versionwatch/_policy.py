@@ -1,10 +1,12 @@
-"""What to do on a hazard: the ``on_hazard`` policy and its environment override."""
+"""What to do on a hazard: the ``on_hazard`` policy, its environment override, and the
+check of our environment variables before anything is watched."""
 
 from __future__ import annotations
 
 import os
 from typing import Callable, Literal, Union
 
+from versionwatch._native_build import mode_problem
 from versionwatch._report import Report
 
 Policy = Union[Literal["raise", "warn", "log", "repair"], Callable[[Report], object]]
@@ -13,15 +15,17 @@ ENV_VAR = "VERSIONWATCH_ON_HAZARD"
 
 
 def env_problem() -> str | None:
-    """What is wrong with ``$VERSIONWATCH_ON_HAZARD``, in one line; ``None`` if nothing.
+    """What is wrong with ``$VERSIONWATCH_ON_HAZARD`` or ``$VERSIONWATCH_NATIVE``, in one
+    line; ``None`` if nothing.
 
-    The command line checks it before it runs anything (exit status 2, as for a bad
-    ``--on-hazard``); ``watch()`` raises it as a ``ValueError``.
+    The command line checks them before it runs anything (exit status 2, as for a bad
+    ``--on-hazard``); ``watch()`` raises the line as a ``ValueError``, because a watcher
+    would otherwise meet the bad value only at its first backward, where it cannot say so.
     """
     env = os.environ.get(ENV_VAR)
     if env and env not in POLICIES:
         return f"{ENV_VAR}={env!r} is not a valid policy; use one of: {', '.join(POLICIES)}"
-    return None
+    return mode_problem()
 
 
 def resolve_policy(on_hazard: Policy) -> Policy:

@@ -222,8 +222,9 @@ class Watcher(ForwardEvents, BackwardEvents, OptimizerEvents):
 
     def _predict(self, outputs: Any, inputs: Any, api: str, names: dict[int, str],
                  silent: dict[int, int] | None) -> Report:
-        if not _native.decided():
-            _native.native()  # once per process: loads (or builds) and self-tests it
+        # The first call in the process loads (or builds) and self-tests the helper;
+        # every later one is an attribute read.
+        _native.native()
         # Looked up in this module at each call: an observer assigned to
         # ``_watch.predict`` sees every prediction.
         return predict(outputs, inputs, api, names, silent)  # type: ignore[arg-type]
