@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import versionwatch
 from versionwatch import _compat
+from versionwatch._report import UNSURE_PROFILER
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "versions.md"
 
@@ -167,6 +168,9 @@ def test_checks_under_a_c_profiler(caplog: pytest.LogCaptureFixture) -> None:
         assert cell("checks under a C profiler") == "not verified"
         assert r.ok and r.unverifiable == [("SigmoidBackward0", "result")]
         assert "C profiler" in caplog.text  # said once, on the versionwatch logger
+        # The reason is the profiler's, not hooks' (nothing here has a hook).
+        assert r.why_unverifiable("SigmoidBackward0", "result") == UNSURE_PROFILER
+        assert str(r).endswith("1 not verifiable (a C profiler (cProfile) runs on this thread)")
 
 
 def test_a_python_profiler_is_set_back() -> None:

@@ -28,6 +28,7 @@ from versionwatch._compat import (
     UNREAD,
     USER_FN_ATTR,
     HookedSaved,
+    ProfiledSaved,
     SavedTensor,
     clears_on_access,
     input_metadata,
@@ -39,6 +40,7 @@ from versionwatch._report import (
     UNSURE_CLEARS,
     UNSURE_COPY_SLICES,
     UNSURE_ERROR,
+    UNSURE_PROFILER,
     Hazard,
 )
 from versionwatch._runtime import Anchor, Patch
@@ -436,6 +438,9 @@ class BlindChecker(Checker):
     def _peek_slot(self, i: int, fn: Node, slot: str, raw_attr: str, saved_attr: str) -> None:
         try:
             value, records = peek(fn, saved_attr)
+        except ProfiledSaved:
+            self._unsure(fn.name(), slot, UNSURE_PROFILER)
+            return
         except HookedSaved:
             self.unverifiable.append((fn.name(), slot))
             return

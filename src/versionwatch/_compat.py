@@ -209,6 +209,10 @@ class HookedSaved(Exception):
     """A saved tensor's unpack hook was about to run inside :func:`peek`."""
 
 
+class ProfiledSaved(HookedSaved):
+    """A C profiler holds this thread, so :func:`peek` has no trap and reads nothing."""
+
+
 class _Peek(threading.local):
     active = False
     records: list[Any] | None = None
@@ -255,7 +259,8 @@ def peek(owner: Any, attr: str) -> tuple[Any, list[Any]]:
     nothing by then). A ``RuntimeError`` is PyTorch's own verdict.
 
     Raises:
-        HookedSaved: the getter was about to run Python code (a hook).
+        HookedSaved: the getter was about to run Python code (a hook);
+            :class:`ProfiledSaved` where a C profiler left no trap to set.
         RuntimeError: PyTorch's check failed (stale or freed).
     """
     previous = sys.getprofile()
@@ -269,7 +274,7 @@ def peek(owner: Any, attr: str) -> tuple[Any, list[Any]]:
                 "versionwatch: a C profiler (cProfile) runs on this thread, and this torch "
                 "hides which saved tensors have hooks: saved tensors are not verified while "
                 "it runs (see docs/versions.md)")
-        raise HookedSaved
+        raise ProfiledSaved
     records: list[Any] = []
     PEEK.records = records
     PEEK.active = True

@@ -516,6 +516,8 @@ UNSURE_CLEARS = "cleared on first read (clear_saved_tensors_on_access)"
 """A custom Function whose saved tensors PyTorch drops at their first read."""
 UNSURE_ERROR = "PyTorch's check raised an error that names no version"
 """Reading the slot raised something that is not PyTorch's version check."""
+UNSURE_PROFILER = "a C profiler (cProfile) runs on this thread"
+"""On a torch that hides which slots have hooks, no slot is read under a C profiler."""
 
 
 @dataclass
@@ -533,7 +535,8 @@ class Report:
             that could run user code, and the others of :attr:`unverifiable_why`.
         unverifiable_why: why, for each entry of :attr:`unverifiable` that is
             not behind hooks (:data:`UNSURE_HOOKS`): :data:`UNSURE_CHECKPOINT`,
-            :data:`UNSURE_COPY_SLICES`, :data:`UNSURE_CLEARS`, :data:`UNSURE_ERROR`.
+            :data:`UNSURE_COPY_SLICES`, :data:`UNSURE_CLEARS`, :data:`UNSURE_ERROR`,
+            :data:`UNSURE_PROFILER`.
         nodes: how many autograd nodes the backward would execute.
         saved_checked: how many saved tensors were verified.
         backward_site: the user's backward call, when a watcher knows it.
