@@ -6,7 +6,7 @@ times versionwatch's own code from inside the step: it wraps the watcher's
 entry points and the predictor's phases with ``time.perf_counter`` and reports
 the mean microseconds per step of each, next to the unwatched step time.
 
-It patches private functions (``versionwatch._watch``, ``_forward_events``, ``_backward``, ``_optimizers``,
+It patches private functions (``versionwatch._watch.watcher``, ``_forward_events``, ``_backward``, ``_optimizers``,
 ``_predict``, ``_checker``, ``_graph``, ``_ledger``, ``_sites``), so it follows the code, not
 the API: update it when they move (the tables below).
 What it cannot see: the Python-level hook dispatch (nn.Module's hook path, the
@@ -49,19 +49,16 @@ from overhead import (  # the models and the step
     versionwatch,
 )
 
-from versionwatch import (
-    _backward,
-    _checker,
-    _forward_events,
-    _graph,
-    _intercept,
-    _ledger,
-    _optimizers,
-    _predict,
-    _report,
-    _sites,
-    _watch,
-)
+from versionwatch import _ledger, _sites
+from versionwatch._predict import api as _predict
+from versionwatch._predict import checker as _checker
+from versionwatch._predict import graph as _graph
+from versionwatch._report import model as _report
+from versionwatch._watch import backward as _backward
+from versionwatch._watch import forward_events as _forward_events
+from versionwatch._watch import intercept as _intercept
+from versionwatch._watch import optimizers as _optimizers
+from versionwatch._watch import watcher as _watch
 
 TOTALS: dict[str, float] = defaultdict(float)
 COUNTS: dict[str, int] = defaultdict(int)

@@ -70,7 +70,9 @@ except ImportError:  # running from a checkout without an install
     import versionwatch
 
 try:
-    from versionwatch import _native  # the optional native helper, where this version has it
+    from versionwatch._native.loader import (
+        loader as _native,  # the optional native helper, where this version has it
+    )
 except ImportError:
     _native = None  # type: ignore[assignment]
 try:

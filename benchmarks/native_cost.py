@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 import versionwatch
-from versionwatch import _native, _native_build
 from versionwatch._ledger import read_versions
-from versionwatch._native_selftest import roots_of
+from versionwatch._native import build as _native_build
+from versionwatch._native import loader as _native
+from versionwatch._native.selftest import roots_of
 
 
 def dqn_loss() -> tuple[torch.Tensor, nn.Module]:
@@ -81,7 +82,7 @@ def main() -> None:
           f"helper: {built.line} (this run: {time.monotonic() - start:.1f} s to load)")
     print(_native.status())
 
-    from versionwatch._predict import predict
+    from versionwatch._predict.api import predict
 
     loss, _ = dqn_loss()
     roots = roots_of([loss])

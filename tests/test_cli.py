@@ -95,7 +95,7 @@ def test_hazard_exits_1_with_explanation_and_json(tmp_path: Path):
     assert "done" not in r.stdout
     assert "model.w3 saved by MulBackward0 was modified by an inplace operation" in r.stderr
     assert f"SGD.step() #3 at train.py:{STEP1}" in r.stderr
-    assert "_watch.py" not in r.stderr and "Traceback" in r.stderr
+    assert "_watch/watcher.py" not in r.stderr and "Traceback" in r.stderr
     doc = json.loads((tmp_path / "out.json").read_text())
     assert doc["schema"] == "versionwatch.report/1" and doc["exit_status"] == 1
     (h,) = doc["hazards"]
@@ -271,7 +271,7 @@ def test_demo_runs_in_four_steps(demo_plain: tuple[subprocess.CompletedProcess[s
         assert f"=== step {n}/4" in r.stdout
     assert "is at version 2; expected version 1 instead" in r.stdout
     assert "model.w3 saved by MulBackward0" in r.stdout
-    assert "SGD.step() #3 at versionwatch/_demo.py" in r.stdout
+    assert "SGD.step() #3 at versionwatch/_cli/demo.py" in r.stdout
     # It ends with the patch versionwatch fix verified, and the patched loop watched.
     step4 = r.stdout[r.stdout.index("=== step 4/4"):]
     assert "verified: one `optim.step()` after both backwards" in step4
@@ -706,7 +706,7 @@ def test_signal_during_replay_keeps_the_first_report(
     tmp_path, status, err = replays_interrupted[how]
     sig = signal.SIGTERM if how == "sigterm" else signal.SIGINT
     assert status == -sig, err
-    assert "_replay.py" not in err and "_cli.py" not in err, err
+    assert "_cli/replay.py" not in err and "_cli/main.py" not in err, err
     # The program's own traceback (its hazard) is there; nothing after the replay began.
     assert err.count("Traceback") == 1, err
     doc = json.loads((tmp_path / "o.json").read_text())
@@ -740,7 +740,7 @@ TIED = textwrap.dedent("""\
     child = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, time\\n"
-         "from versionwatch._replay import tie_to_parent\\n"
+         "from versionwatch._cli.replay import tie_to_parent\\n"
          "tie_to_parent(int(sys.argv[1]), int(sys.argv[2]), pdeathsig=sys.argv[3] == '1')\\n"
          "print('tied', flush=True)\\n"
          "time.sleep(120)\\n", str(os.getpid()), str(r), sys.argv[1]],

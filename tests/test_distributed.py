@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dist_workers
+from versionwatch._cli.merge import MergeError, merge, rank_path, render_merged
 from versionwatch._compat import fsdp2_runs_on_cpu, fully_shard_fn
-from versionwatch._merge import MergeError, merge, rank_path, render_merged
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [

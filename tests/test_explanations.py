@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from versionwatch._cli import main
+from versionwatch._cli.main import main
 
 PROGRAMS = Path(__file__).parent / "explain_programs"
 MODES = {"default": [], "strict": ["--strict"], "replay": ["--replay"]}
@@ -655,7 +655,7 @@ def test_compiled_actor_critic_fix_applied(tmp_path):
 # -- the fix follows the facts (what the watcher will hand over) -------------------------
 
 def _freed(**facts: Any) -> Any:
-    from versionwatch._report import Hazard, Modification, Site
+    from versionwatch._report.model import Hazard, Modification, Site
 
     return Hazard(kind="freed", node="AddmmBackward0", slot="mat1",
                   freed_by=Modification("backward", "backward #1", Site("prog.py", 16)),
@@ -663,8 +663,8 @@ def _freed(**facts: Any) -> Any:
 
 
 def test_fix_from_facts_gan_detaches_in_the_first_loss_and_says_why_retain_works():
-    from versionwatch._advice import fix_for
-    from versionwatch._report import Between, Carrier, Forward, Modification, Site
+    from versionwatch._report.advice import fix_for
+    from versionwatch._report.model import Between, Carrier, Forward, Modification, Site
 
     h = _freed(carried_by="fake", carrier=Carrier(
         "fake", Site("prog.py", 14, "fake = G(z)"), "G", "input",
@@ -683,8 +683,8 @@ def test_fix_from_facts_gan_detaches_in_the_first_loss_and_says_why_retain_works
 
 
 def test_fix_from_facts_data_is_detached_where_it_is_made():
-    from versionwatch._advice import fix_for
-    from versionwatch._report import Carrier, Site
+    from versionwatch._report.advice import fix_for
+    from versionwatch._report.model import Carrier, Site
 
     made = Site("prog.py", 11, "advantages = returns - critic(obs).squeeze(-1)")
     fix = fix_for(_freed(carried_by="advantages",
@@ -699,8 +699,8 @@ def test_fix_from_facts_data_is_detached_where_it_is_made():
 
 
 def test_fix_from_facts_two_losses():
-    from versionwatch._advice import fix_for
-    from versionwatch._report import Between, Carrier, Modification, Site
+    from versionwatch._report.advice import fix_for
+    from versionwatch._report.model import Between, Carrier, Modification, Site
 
     out = Carrier("out", Site("prog.py", 9, "out = net(x)"), "net", "data", trained=True)
     fix = fix_for(_freed(carried_by="out", carrier=out,
@@ -718,8 +718,8 @@ def test_fix_from_facts_two_losses():
 
 
 def test_fix_from_facts_state_is_truncated_bptt_and_unknown_is_a_choice():
-    from versionwatch._advice import fix_for
-    from versionwatch._report import Carrier
+    from versionwatch._report.advice import fix_for
+    from versionwatch._report.model import Carrier
 
     fix = fix_for(_freed(carried_by="h", carrier=Carrier("h", role="state")))
     assert fix.startswith("detach `h` carried from one iteration to the next once its "
@@ -734,9 +734,9 @@ def test_fix_from_facts_state_is_truncated_bptt_and_unknown_is_a_choice():
 
 
 def test_fix_from_facts_module_write_sets_inplace_false_where_it_was_built():
-    from versionwatch._advice import fix_for
-    from versionwatch._render import render_report
-    from versionwatch._report import Hazard, Modification, Report, Site, Writer
+    from versionwatch._report.advice import fix_for
+    from versionwatch._report.model import Hazard, Modification, Report, Site, Writer
+    from versionwatch._report.text import render_report
 
     built = Site("prog.py", 6, "clf = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), ...)")
     write = Modification("inplace_op", "dropout_()", Site("prog.py", 9, "loss = f(clf(x), y)"),
@@ -759,7 +759,7 @@ def test_fix_from_facts_module_write_sets_inplace_false_where_it_was_built():
 
 
 def test_json_of_the_new_facts_round_trips():
-    from versionwatch._report import Between, Carrier, Forward, Modification, Report, Site
+    from versionwatch._report.model import Between, Carrier, Forward, Modification, Report, Site
 
     h = _freed(carried_by="fake", saved_during="G.forward #1 at prog.py:14",
                carrier=Carrier("fake", Site("prog.py", 14, "fake = G(z)"), "G", "input",
@@ -785,8 +785,8 @@ def test_json_of_the_new_facts_round_trips():
 # -- replay matching, by identity -------------------------------------------------------
 
 def _replayed(child: dict[str, Any], **mine: Any) -> Any:
-    from versionwatch._replay import merge
-    from versionwatch._report import Hazard, Report
+    from versionwatch._cli.replay import merge
+    from versionwatch._report.model import Hazard, Report
 
     facts = dict(kind="inplace", node="NativeLayerNormBackward0", slot="input", saved_version=1,
                  current_version=2, shape=(2, 5, 8), dtype="float32", producer="Add")

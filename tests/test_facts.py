@@ -7,7 +7,7 @@
   ``nn.ModuleList``, an ``nn.ModuleDict``, ``self.act = ...``, a variable).
 - A freed graph's carrier and what ran between its two backwards, on a GAN
   whose two discriminator calls are on separate lines; the fix, applied, runs.
-- :func:`versionwatch._fix_facts.from_report` hands those facts to the fix engine.
+- :func:`versionwatch._candidates.facts.from_report` hands those facts to the fix engine.
 
 Every program is a file, run in this process under ``watch_all`` (as
 ``versionwatch run`` does), so that the sites name its lines.
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import versionwatch
-from versionwatch._fix_facts import from_report
-from versionwatch._report import Report
+from versionwatch._candidates.facts import from_report
+from versionwatch._report.model import Report
 
 
 @pytest.fixture(autouse=True)

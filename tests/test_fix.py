@@ -33,10 +33,10 @@ import pytest
 import torch
 
 import fix_patterns
-from versionwatch._fix import FixResult, apply_patch, fix
-from versionwatch._fix import main as fix_main
-from versionwatch._fix_facts import FixFacts, Line
-from versionwatch._fix_server import ForkServer
+from versionwatch._candidates.facts import FixFacts, Line
+from versionwatch._fix.command import FixResult, apply_patch, fix
+from versionwatch._fix.command import main as fix_main
+from versionwatch._fix.server import ForkServer
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -483,7 +483,7 @@ def test_cli_facts_by_hand(tmp_path: Path, command: Any) -> None:
 def test_cli_fresh_interpreters(tmp_path: Path, command: Any,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """--fresh: no fork server; every run a new interpreter (one run here: no hazard)."""
-    import versionwatch._fix as fixing
+    import versionwatch._fix.command as fixing
 
     started: list[object] = []
     monkeypatch.setattr(fixing, "ForkServer", lambda: started.append(1))
@@ -552,7 +552,7 @@ def test_a_check_that_runs_too_long_is_ended(tmp_path: Path, monkeypatch: pytest
 
 def test_apply_writes_only_what_was_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              ) -> None:
-    from versionwatch._fix_edits import Candidate
+    from versionwatch._candidates.edits import Candidate
 
     monkeypatch.chdir(tmp_path)
     inside = tmp_path / "a.py"

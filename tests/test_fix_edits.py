@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 import versionwatch
-from versionwatch._fix_edits import FUNCTIONAL_INPLACE, MODULE_INPLACE, Candidate, propose
-from versionwatch._fix_facts import FixFacts, Line, from_report
-from versionwatch._fix_source import Source, apply, line_map
+from versionwatch._candidates.edits import FUNCTIONAL_INPLACE, MODULE_INPLACE, Candidate, propose
+from versionwatch._candidates.facts import FixFacts, Line, from_report
+from versionwatch._candidates.source import Source, apply, line_map
 
 
 def write(tmp_path: Path, text: str, name: str = "prog.py") -> str:
@@ -445,7 +445,7 @@ def test_diffs_apply_with_git(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 # -- the pieces --------------------------------------------------------------------------
 
 def test_edits_and_line_map() -> None:
-    from versionwatch._fix_source import Edit
+    from versionwatch._candidates.source import Edit
 
     text = "a = 1\nb = 2\n"
     assert apply(text, [Edit((2, 0), (2, 0), "x = 0\n"), Edit((1, 4), (1, 5), "9")]) == \
@@ -615,7 +615,7 @@ def test_the_carried_tensor_from_the_source(tmp_path: Path) -> None:
 
 
 def test_the_backward_a_check_asked_about(tmp_path: Path) -> None:
-    from versionwatch._fix_ast import backward_after
+    from versionwatch._candidates.shared import backward_after
 
     path = write(tmp_path, """
         for n in range(3):
@@ -632,7 +632,7 @@ def test_the_backward_a_check_asked_about(tmp_path: Path) -> None:
 
 def test_from_report_reads_the_facts_a_report_may_have(tmp_path: Path) -> None:
     """carrier, between and a writer's construction line: read when the report has them."""
-    from versionwatch._report import (
+    from versionwatch._report.model import (
         Between,
         Carrier,
         Hazard,

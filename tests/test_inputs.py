@@ -344,7 +344,7 @@ def test_engine_probes_run_apart_from_the_callers_modes():
     even when first needed under inference_mode and a TorchFunctionMode."""
     from torch.overrides import TorchFunctionMode
 
-    from versionwatch import _arguments
+    from versionwatch._predict import arguments as _arguments
 
     seen: list[str] = []
 

@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 pl = pytest.importorskip("lightning.pytorch")
 
 import versionwatch  # noqa: E402
-from versionwatch import _intercept  # noqa: E402
 from versionwatch._runtime import installed  # noqa: E402
+from versionwatch._watch import intercept as _intercept  # noqa: E402
 from versionwatch.integrations.lightning import VersionWatch  # noqa: E402
 
 # Captured before any watcher opens: a backward that bypasses the watcher.

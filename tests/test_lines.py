@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from versionwatch._cli import main
+from versionwatch._cli.main import main
 
 ACT = textwrap.dedent("""\
     import torch
@@ -424,7 +424,7 @@ def test_report_does_not_import_its_renderers():
     """
     import ast
 
-    import versionwatch._report as report_module
+    import versionwatch._report.model as report_module
 
     def imports(path: str) -> set[str]:
         tree = ast.parse(Path(path).read_text())
@@ -438,7 +438,7 @@ def test_report_does_not_import_its_renderers():
                   for alias in node.names}
         return {name for name in found if name.startswith("versionwatch")}
 
-    leaves = {"versionwatch._source_lines", "versionwatch._report_json"}
+    leaves = {"versionwatch._report.source_lines", "versionwatch._report.document"}
     imported = imports(report_module.__file__)
     assert imported <= leaves, imported
     for leaf in imported:

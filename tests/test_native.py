@@ -1,4 +1,4 @@
-"""The optional native helper (versionwatch._native): build, status, self-test, answers.
+"""The optional native helper (versionwatch._native.loader): build, status, self-test, answers.
 
 The tests of build management and of the fallbacks run anywhere. The tests of
 the helper's answers need it compiled: the ``ext`` fixture builds it once into
@@ -33,9 +33,10 @@ import torch
 import versionwatch
 from oracle import Oracle, Outcome
 from side_by_side import run_all
-from versionwatch import _native, _native_build
 from versionwatch._ledger import read_versions
-from versionwatch._native_selftest import roots_of, verdict
+from versionwatch._native import build as _native_build
+from versionwatch._native import loader as _native
+from versionwatch._native.selftest import roots_of, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
@@ -215,7 +216,7 @@ def test_first_use_build_without_compiler_falls_back(tmp_path: Path) -> None:
     env = _env(VERSIONWATCH_NATIVE="1", VERSIONWATCH_NATIVE_DIR=str(tmp_path),
                CXX="/nonexistent/c++")
     code = ("import torch, versionwatch\n"
-            "from versionwatch import _native\n"
+            "from versionwatch._native import loader as _native\n"
             "print(_native.native())\n"
             "print(_native.status())\n"
             "w = torch.nn.Parameter(torch.ones(3)); x = torch.ones(3, requires_grad=True)\n"
@@ -320,7 +321,7 @@ def test_the_self_test_runs_the_python_predictor(ext: Any, fresh: pytest.MonkeyP
     """Once the predictor asks native() for the helper, the self-test's own
     checks must get None (Python), not wait for the decision they are part of.
     Seen inside the predictor: wrappers of ``versionwatch.check`` never see them."""
-    from versionwatch import _predict
+    from versionwatch._predict import api as _predict
 
     real = _predict._predict
     seen: list[Any] = []
@@ -675,7 +676,7 @@ def test_a_watcher_takes_the_native_clean_answer(ext: Any, monkeypatch: pytest.M
     """A clean backward under a watcher is the native answer (no Python walk), over the
     same nodes and saved tensors; a stale one, and a fused step's silent writes, go to
     the Python predictor, whose report it is."""
-    from versionwatch import _predict
+    from versionwatch._predict import api as _predict
 
     # Decided before counting: the self-test of a fresh decision runs the Python predictor.
     assert _native.native() is not None
@@ -711,7 +712,7 @@ def test_a_watcher_takes_the_native_clean_answer(ext: Any, monkeypatch: pytest.M
         seen.append(real(*args, **kwargs))
         return seen[-1]
 
-    from versionwatch import _watch
+    from versionwatch._watch import watcher as _watch
 
     monkeypatch.setattr(_watch, "predict", keep)
     with versionwatch.watch(model, opt, on_hazard=got.append):
@@ -762,7 +763,7 @@ def test_the_self_test_is_not_seen_by_wrappers_of_check(ext: Any,
                                                          fresh: pytest.MonkeyPatch) -> None:
     """``versionwatch fix``'s child wraps ``check`` to catch the program's own checks: the
     self-test, which runs at a watcher's first backward, must not pass for the program."""
-    from versionwatch import _predict
+    from versionwatch._predict import api as _predict
 
     seen: list[int] = []
     inner = _predict.check

@@ -623,7 +623,7 @@ def test_nested_strict_repairers_each_repair_what_they_watch():
 
 
 def test_a_watcher_whose_close_raises_still_hands_repair_back(monkeypatch):
-    from versionwatch import _hookstack
+    from versionwatch._strict import hookstack as _hookstack
 
     model = Seed()
     optim = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -206,7 +206,7 @@ def test_wording_fallback_is_a_template():
 
 def test_every_public_name_resolves_and_a_bare_report_renders() -> None:
     """``versionwatch.X`` for each name of ``__all__``; a report made from
-    ``versionwatch._report`` alone (as one unpickled in a worker) still renders."""
+    ``versionwatch._report.model`` alone (as one unpickled in a worker) still renders."""
     import subprocess
     import sys
 
@@ -214,7 +214,7 @@ def test_every_public_name_resolves_and_a_bare_report_renders() -> None:
         "import versionwatch\n"
         "for name in versionwatch.__all__:\n"
         "    getattr(versionwatch, name)\n"
-        "from versionwatch._report import Hazard, Report, Repair\n"
+        "from versionwatch._report.model import Hazard, Report, Repair\n"
         "assert versionwatch.Repair is Repair\n"
         "print(str(Report(hazards=[Hazard(kind='inplace', node='MulBackward0', slot='other')]))"
         ".splitlines()[0])\n")

@@ -172,7 +172,7 @@ def test_strict_memory_stays_flat_with_a_frozen_layer(monkeypatch: pytest.Monkey
     import os
     import tracemalloc
 
-    from versionwatch import _strict_records
+    from versionwatch._strict import records as _strict_records
 
     monkeypatch.setattr(_strict_records, "_LINES_KEPT", 64)
     torch.manual_seed(0)
@@ -264,7 +264,7 @@ def _top_is(expected: str) -> bool:
     """
     if _TOP is None:
         return True
-    from versionwatch import _strict
+    from versionwatch._strict import mode as _strict
 
     top = _TOP(False)
     return top is None if expected == "none" else top == (_strict.pack, _strict.unpack)

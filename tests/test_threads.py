@@ -309,7 +309,7 @@ def test_closing_while_other_threads_run_autograd_is_clean() -> None:
         assert not t.is_alive()
     assert len(done) == 2 and not w.reports
     assert torch.autograd.backward.__module__ == "torch.autograd"
-    from versionwatch import _inflight
+    from versionwatch._watch import inflight as _inflight
     assert not _inflight._FLYING
 
 
@@ -541,7 +541,7 @@ def test_a_thread_python_did_not_start_running_program_code_is_not_waited_on(
     a prediction waits for none (the hook may be waiting for it)."""
     import ctypes
 
-    from versionwatch import _inflight
+    from versionwatch._watch import inflight as _inflight
 
     inside, leave = threading.Event(), threading.Event()
 
@@ -580,7 +580,7 @@ def test_a_flight_is_waited_for_unless_the_engine_called_program_code(where: str
     engine called may wait for anything: a prediction does not wait for that one."""
     import os
 
-    from versionwatch import _inflight
+    from versionwatch._watch import inflight as _inflight
 
     engine_file = os.path.join(os.path.dirname(torch.autograd.__file__), "graph.py")
     space: dict[str, object] = {}

@@ -112,7 +112,7 @@ def test_dynamo_first_used_inside_a_watch_keeps_pytorchs_functions() -> None:
         "    torch.compile(lambda x: x * 2, backend='eager')(torch.ones(2))\n"
         "from torch._dynamo import trace_rules\n"
         "assert not [f for f in trace_rules.get_torch_obj_rule_map()\n"
-        "            if getattr(f, '__module__', '') == 'versionwatch._intercept']\n"
+        "            if getattr(f, '__module__', '') == 'versionwatch._watch.intercept']\n"
         "*plain, _ = t._compiled_training_step(False)\n"
         "*watched, n = t._compiled_training_step(True)\n"
         "assert watched == plain and n == 9, (watched[:3], plain[:3], n)\n"

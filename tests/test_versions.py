@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import versionwatch
 from versionwatch import _compat
-from versionwatch._report import UNSURE_PROFILER
+from versionwatch._report.model import UNSURE_PROFILER
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "versions.md"
 

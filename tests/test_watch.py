@@ -771,7 +771,7 @@ def test_between_events_json_names_both_bounding_events():
 
 def test_an_observer_of_predict_sees_every_prediction(monkeypatch):
     """The peer harness wraps the watcher's predict with its five arguments."""
-    from versionwatch import _watch
+    from versionwatch._watch import watcher as _watch
 
     real, seen = _watch.predict, []
 

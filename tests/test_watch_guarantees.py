@@ -48,7 +48,7 @@ def assert_unpatched() -> None:
     assert not any("_compiled_call_impl" in vars(c) for c in (nn.Sequential, nn.Linear))
     assert not optim_mod._global_optimizer_pre_hooks
     assert not optim_mod._global_optimizer_post_hooks
-    from versionwatch import _intercept
+    from versionwatch._watch import intercept as _intercept
 
     table = torch.jit._builtins._get_builtin_table()
     assert id(_intercept.backward) not in table and id(_intercept.grad) not in table
@@ -368,7 +368,7 @@ def test_a_watch_that_fails_to_open_leaves_nothing_installed(fails_at: str,
         with pytest.raises(ValueError, match="belong to the watched modules"):
             versionwatch.watch(model, torch.optim.SGD(mlp().parameters(), lr=0.1))
     else:  # refused after the patches, the registry entry and strict mode's patches
-        from versionwatch import _hookstack
+        from versionwatch._strict import hookstack as _hookstack
 
         def refuse() -> None:
             raise Boom("no hook entry")

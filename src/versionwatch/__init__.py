@@ -10,17 +10,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from versionwatch._auto import AutoWatcher, watch_all
-    from versionwatch._errors import (
+    from versionwatch._fix.command import FixResult, fix
+    from versionwatch._predict.api import assert_backward_safe, check
+    from versionwatch._report.errors import (
         FreedGraphError,
         InplaceHazardWarning,
         InplaceModificationError,
     )
-    from versionwatch._fix import FixResult, fix
-    from versionwatch._predict import assert_backward_safe, check
-    from versionwatch._report import Fix, Hazard, Modification, Repair, Report, Site
+    from versionwatch._report.model import Fix, Hazard, Modification, Repair, Report, Site
     from versionwatch._timeline import Timeline
-    from versionwatch._watch import Watcher, watch
+    from versionwatch._watch.auto import AutoWatcher, watch_all
+    from versionwatch._watch.watcher import Watcher, watch
 
 __all__ = [
     "AutoWatcher",
@@ -42,33 +42,33 @@ __all__ = [
     "watch",
     "watch_all",
 ]
-__version__ = "0.1.0"
+from versionwatch._package import __version__ as __version__
 
 # The text and Graphviz renderers that str(report) and report.to_dot() use
 # register themselves: loaded with the package, so that a report made from
-# versionwatch._report alone, or unpickled in another process, still renders.
+# versionwatch._report.model alone, or unpickled in another process, still renders.
 # Plain Python, no torch.
-from versionwatch import _render as _render
+from versionwatch._report import text as _render  # noqa: F401
 
 _WHERE = {
-    "AutoWatcher": "_auto",
-    "watch_all": "_auto",
-    "FreedGraphError": "_errors",
-    "InplaceHazardWarning": "_errors",
-    "InplaceModificationError": "_errors",
-    "assert_backward_safe": "_predict",
-    "check": "_predict",
-    "Fix": "_report",
-    "FixResult": "_fix",
-    "fix": "_fix",
-    "Hazard": "_report",
-    "Modification": "_report",
-    "Repair": "_report",
-    "Report": "_report",
-    "Site": "_report",
+    "AutoWatcher": "_watch.auto",
+    "watch_all": "_watch.auto",
+    "FreedGraphError": "_report.errors",
+    "InplaceHazardWarning": "_report.errors",
+    "InplaceModificationError": "_report.errors",
+    "assert_backward_safe": "_predict.api",
+    "check": "_predict.api",
+    "Fix": "_report.model",
+    "FixResult": "_fix.command",
+    "fix": "_fix.command",
+    "Hazard": "_report.model",
+    "Modification": "_report.model",
+    "Repair": "_report.model",
+    "Report": "_report.model",
+    "Site": "_report.model",
     "Timeline": "_timeline",
-    "Watcher": "_watch",
-    "watch": "_watch",
+    "Watcher": "_watch.watcher",
+    "watch": "_watch.watcher",
 }
 
 

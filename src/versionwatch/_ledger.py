@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from versionwatch import _native_state
-from versionwatch._report import Hazard, Modification, Site
+from versionwatch._report.model import Hazard, Modification, Site
 
 
 def _bare_label(label: str) -> str:

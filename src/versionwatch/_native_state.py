@@ -1,7 +1,7 @@
 """The native helper as decided: the loaded, self-tested extension, or ``None``.
 
 A leaf that the predictor and the ledger read at every backward (one global read,
-no call). Only :mod:`versionwatch._native` sets it; it lives apart from the loader
+no call). Only :mod:`versionwatch._native.loader` sets it; it lives apart from the loader
 because the loader's self-test runs the Python predictor, which reads it.
 """
 

@@ -11,12 +11,10 @@ from types import FrameType
 
 import torch
 
-from versionwatch._report import Site, relative_path
+from versionwatch._package import PACKAGE_DIR
+from versionwatch._report.model import Site, relative_path
 
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(p)) + os.sep
-    for p in (torch.__file__, __file__)
-)
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, PACKAGE_DIR)
 # Frames of these packages are skipped too, so that GradScaler, Accelerate's
 # accelerator.backward and Lightning's manual_backward blame the user's line.
 # Matched by where each one is imported from, not by a folder's name: a user's
@@ -25,7 +23,7 @@ _LIBRARY_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric", "acce
                      "_pytest", "pluggy")
 _LIBRARY_FILES = (os.path.abspath(contextlib.__file__),)
 # The bundled demo plays the user's part, so its lines are the ones to blame.
-_USER_FILES = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "_demo.py"),)
+_USER_FILES = (os.path.join(PACKAGE_DIR, "_cli", "demo.py"),)
 _is_library: dict[str, bool] = {}
 
 

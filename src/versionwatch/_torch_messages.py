@@ -288,7 +288,7 @@ def strict_message(rec: Any, node: Any, slot: str | None = None,
     the last write that hit the record (``rec.written_fn``), as PyTorch's would be.
 
     Args:
-        rec: the :class:`~versionwatch._strict.SavedRecord`.
+        rec: the :class:`~versionwatch._strict.mode.SavedRecord`.
         node: the node that saved it (the one unpacking it), or None.
         slot: the node's slot that holds it, when known (else it is looked for).
         output: which output of ``node`` it is, when strict mode saw it saved as

@@ -1,0 +1,351 @@
+"""``versionwatch fix``'s families that move or merge statements: a step, a ``no_grad`` update.
+
+- ``move_step``: the optimizer step (and its ``zero_grad``) after the last
+  backward of the forward, or merged into a step of the same optimizer there;
+- ``sum_losses``: one backward of the summed losses, then the step;
+- ``refresh``: the forward again after the step, where the second loss reads it;
+- ``set_to_none``: ``zero_grad(set_to_none=True)``, which only hides the
+  failure (rejected by rule);
+- ``move_update``: a ``torch.no_grad()`` update (EMA swap, clipping) after the step.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from versionwatch._candidates.facts import FixFacts
+from versionwatch._candidates.shared import (
+    COMPOUND,
+    Candidate,
+    Sources,
+    backward_call,
+    callee,
+    calls,
+    candidate,
+    dotted,
+    function_stmts,
+    insert_after,
+    is_true,
+    loss_of,
+    method_stmt,
+    remove,
+    retain_edit,
+    stmt_with,
+)
+from versionwatch._candidates.source import Edit, Source
+
+
+def step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
+    src = sources.at(facts.step)
+    if (src is None or facts.step is None or facts.failing_backward is None
+            or facts.failing_backward.file != facts.step.file):
+        return []
+
+    def is_step(s: ast.stmt) -> bool:
+        return any(callee(c) == "step" for c in calls(s))
+
+    s_stmt = stmt_with(src, facts.step.line, is_step)
+    b_stmt = stmt_with(src, facts.failing_backward.line, lambda s: backward_call(s) is not None)
+    if s_stmt is None or b_stmt is None:
+        return []
+    step_call = next(c for c in calls(s_stmt) if callee(c) == "step")
+    if not isinstance(step_call.func, ast.Attribute):
+        return []
+    receiver = src.segment(step_call.func.value)
+    common = src.common_block(s_stmt, b_stmt)
+    if common is None or common[1] >= common[2]:
+        return []
+    body, i_s, i_b = common
+    step, last = body[i_s], body[i_b]
+    if step is not s_stmt or last is not b_stmt:
+        return []  # one of them sits in a block (`if ...:`) of its own: not moved out of it
+    zeros = [body[j] for j in range(i_s + 1, i_b)
+             if method_stmt(body[j], "zero_grad", receiver, src)]
+    later = None
+    for j in range(i_b + 1, len(body)):
+        if backward_call(body[j]) is not None:
+            break
+        if method_stmt(body[j], "step", receiver, src):
+            later = body[j]
+            break
+    backward_text = src.segment(backward_call(last) or last)
+    try:
+        moves = [remove(src, s) for s in (step, *zeros)]
+        if later is None:
+            moves.append(insert_after(src, last, [step, *zeros]))
+    except ValueError:
+        return []
+    out = []
+    if later is not None:
+        summary = (f"one `{receiver}.step()` after both backwards: the step (and zero_grad) "
+                   f"between them is gone, so `{backward_text}` runs on the weights its forward "
+                   "used and the step applies the gradients of both losses (as one backward of "
+                   "their sum would)")
+    else:
+        summary = (f"`{receiver}.step()` moves after `{backward_text}`: every backward runs on "
+                   "the weights its forward used")
+    # The forward again after the step: first when the step is another network's
+    # (a GAN's opt_d between D's loss and G's); after the merges when the same
+    # optimizer steps again after the last backward (two losses of one model).
+    refresh = _refresh(facts, src, body, i_s, i_b, receiver, backward_text)
+    if later is None:
+        out += refresh
+    first_stmt = None
+    for j in range(i_s - 1, -1, -1):
+        if backward_call(body[j]) is not None:
+            first_stmt = body[j]
+            break
+    retain: list[Edit] = []
+    if facts.kind == "freed":
+        # The first backward freed the graph: moving the step is not enough.
+        first_call = backward_call(first_stmt) if first_stmt is not None else None
+        keep = retain_edit(src, first_call) if first_call is not None else None
+        if keep is None or first_call is None:
+            moves = []
+        else:
+            retain = [keep]
+            summary += (f", and `retain_graph=True` on `{src.segment(first_call)}` keeps "
+                        "its graph for the second")
+    # Another optimizer steps after the last backward (an actor's, a generator's): the
+    # moved step may then apply that loss's gradients to what it should not train.
+    other = any(callee(c) == "step" and isinstance(c.func, ast.Attribute)
+                and src.segment(c.func.value) != receiver
+                for st in body[i_b + 1:] for c in calls(st))
+    cand = candidate("move_step", summary, src, moves + retain) if moves else None
+    if cand is not None:
+        cand.extra.update(merged=later is not None, other_step=other)
+        out.append(cand)
+    # One backward of the summed losses.
+    if first_stmt is not None:
+        for c in _sum_losses(src, first_stmt, last, body, moves):
+            c.extra.update(merged=later is not None, other_step=other)
+            out.append(c)
+    if later is not None:
+        out += refresh
+    # The hider: zero_grad(set_to_none=True).
+    edits = []
+    for call in calls(src.function(step)):
+        if not (callee(call) == "zero_grad" and isinstance(call.func, ast.Attribute)
+                and src.segment(call.func.value) == receiver):
+            continue
+        for k in call.keywords:
+            if k.arg == "set_to_none" and not is_true(k.value):
+                edits.append(Edit(src.start(k.value), src.end(k.value), "True"))
+        if call.args and not is_true(call.args[0]):
+            edits.append(Edit(src.start(call.args[0]), src.end(call.args[0]), "True"))
+    if edits:
+        cand = candidate(
+            "set_to_none", f"`{receiver}.zero_grad(set_to_none=True)`",
+            src, edits, hides=(
+                "set_to_none=True only hides the failure: the step then skips parameters "
+                "whose .grad is None, and the second backward still runs through the "
+                "forward made before the step, with gradients for weights that changed"))
+        if cand is not None:
+            out.append(cand)
+    return out
+
+
+def _refresh(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: int, i_b: int,
+             receiver: str, backward_text: str) -> list[Candidate]:
+    """Re-run the forward after the step: ``bce(d_fake, ones)`` -> ``bce(D(fake), ones)``."""
+    saved = facts.saved_at
+    if saved is None or saved.file != src.path or saved.line >= body[i_s].lineno:
+        return []
+    made = stmt_with(src, saved.line, lambda s: isinstance(s, ast.Assign))
+    if not (isinstance(made, ast.Assign) and len(made.targets) == 1
+            and isinstance(made.targets[0], ast.Name) and isinstance(made.value, ast.Call)):
+        return []
+    # Only a forward of plain values: re-running `model(torch.randn(...))` would draw new data.
+    if not all(isinstance(a, (ast.Name, ast.Attribute, ast.Constant))
+               for a in [*made.value.args, *(k.value for k in made.value.keywords)]):
+        return []
+    name, expr = made.targets[0].id, src.segment(made.value)
+    edits = []
+    for stmt in body[i_s + 1:i_b + 1]:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Name) and node.id == name:
+                if not isinstance(node.ctx, ast.Load):
+                    return []
+                edits.append(Edit(src.start(node), src.end(node), expr))
+    if not edits:
+        return []
+    cand = candidate(
+        "refresh", f"`{expr}` again after `{receiver}.step()`: `{backward_text}` runs through "
+        "a new forward on the weights the step changed, not through the one made before it",
+        src, edits)
+    return [cand] if cand is not None else []
+
+
+def _sum_losses(src: Source, first: ast.stmt, last: ast.stmt, body: list[ast.stmt],
+                moves: list[Edit], family: str = "sum_losses") -> list[Candidate]:
+    a, b = loss_of(first), loss_of(last)
+    if a is None or b is None:
+        return []
+    i1, i2 = body.index(first), body.index(last)
+    names = {n.id for n in ast.walk(a) if isinstance(n, ast.Name)}
+    rebound = {n.id for s in body[i1 + 1:i2] for n in ast.walk(s)
+               if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    if names & rebound:
+        return []
+    a_text, b_text = src.segment(a), src.segment(b)
+    # `(a + b).backward()`; an argument needs no parentheses: `manual_backward(a + b)`.
+    receiver = isinstance(last, ast.Expr) and isinstance(last.value, ast.Call) \
+        and isinstance(last.value.func, ast.Attribute) and last.value.func.value is b
+    total = f"({a_text} + {b_text})" if receiver else f"{a_text} + {b_text}"
+    try:
+        edits = [remove(src, first), *moves,
+                 Edit(src.start(b), src.end(b), total)]
+    except ValueError:
+        return []
+    summary = (f"one backward of `{a_text} + {b_text}`, then the step: the same "
+               "gradients as the two backwards, on the weights the forward used")
+    if family == "sum_backwards":
+        summary = (f"one backward of `{a_text} + {b_text}`: the first backward no longer "
+                   "changes (through the hooks it runs) the weights the second one needs, and "
+                   "each forward gets one backward")
+    cand = candidate(family, summary, src, edits, same_backwards=False)
+    return [cand] if cand is not None else []
+
+
+def sum_backwards(facts: FixFacts, sources: Sources) -> list[Candidate]:
+    """Two backwards of one forward, nothing stepped between them in the loop, and the
+    first one changed what the second needs (an optimizer in backward: hooks that step
+    each parameter as its gradient arrives): one backward of the summed losses."""
+    fb = facts.failing_backward
+    src = sources.at(fb)
+    if src is None or fb is None or facts.kind == "freed":
+        return []
+    last = stmt_with(src, fb.line, lambda s: backward_call(s) is not None)
+    place = src.block(last) if last is not None else None
+    if last is None or place is None:
+        return []
+    body, i_b = place
+    for j in range(i_b - 1, -1, -1):
+        stmt = body[j]
+        if any(callee(c) in ("step", "zero_grad") for c in calls(stmt)):
+            return []  # a step between them: the step families' case
+        if backward_call(stmt) is not None:
+            return _sum_losses(src, stmt, last, body, [], family="sum_backwards")
+    return []
+
+
+def one_forward(facts: FixFacts, sources: Sources) -> list[Candidate]:
+    """Two forwards of one module before one backward, where the module's own forward
+    writes what the first one saved (DDP's buffer broadcast, a stand-in for it):
+    one forward of both batches, concatenated, split after."""
+    fb = facts.failing_backward
+    src = sources.at(fb)
+    if src is None or fb is None or not facts.tensor or not facts.update:
+        return []
+    writers = [sources.at(u) for u in facts.update]
+    in_forward = False
+    for w_src, u in zip(writers, facts.update):
+        stmts = w_src.statements_at(u.line) if w_src is not None else []
+        func = w_src.function(stmts[0]) if w_src is not None and stmts else None
+        in_forward = in_forward or getattr(func, "name", "") == "forward"
+    last = stmt_with(src, fb.line, lambda s: backward_call(s) is not None)
+    place = src.block(last) if last is not None else None
+    if not in_forward or last is None or place is None:
+        return []
+    body, i_b = place
+
+    def forward_of(stmt: ast.stmt) -> tuple[str, str, ast.expr] | None:
+        """``out = M(x)``: (out, M, x)."""
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0], ast.Name) and isinstance(stmt.value, ast.Call)
+                and len(stmt.value.args) == 1 and not stmt.value.keywords
+                and dotted(stmt.value.func) is not None):
+            return None
+        return stmt.targets[0].id, src.segment(stmt.value.func), stmt.value.args[0]
+
+    pairs = []
+    for j in range(i_b - 1, 0, -1):
+        if backward_call(body[j]) is not None:
+            break
+        a, b = forward_of(body[j - 1]), forward_of(body[j])
+        if a is not None and b is not None and a[1] == b[1] and src.alone(body[j - 1]) \
+                and src.alone(body[j]):
+            pairs.append((j - 1, a, b))
+    if not pairs:
+        return []
+    j, (out_a, module, x_a), (out_b, _, x_b) = pairs[0]
+    indent = src.indent(body[j].lineno)
+    if isinstance(x_a, ast.Name) and isinstance(x_b, ast.Name):
+        in_a, in_b, bind = x_a.id, x_b.id, ""
+    else:
+        in_a, in_b = f"{out_a}_input", f"{out_b}_input"
+        bind = f"{indent}{in_a}, {in_b} = {src.segment(x_a)}, {src.segment(x_b)}\n"
+    text = (f"{bind}{indent}{out_a}, {out_b} = {module}(torch.cat([{in_a}, {in_b}]))"
+            f".split([len({in_a}), len({in_b})])\n")
+    first, end = src.whole_lines(body[j])[0], src.whole_lines(body[j + 1])[1]
+    cand = candidate(
+        "one_forward", f"one forward of `{module}` on both batches, concatenated, then split: "
+        f"the write in `{module}`'s forward (line {facts.update[-1].line}) happens once, before "
+        "the forward that saves what the backward needs; the batch statistics are over both "
+        "batches now", src, [Edit((first, 0), (end + 1, 0), text)])
+    return [cand] if cand is not None and "torch" in _imported(src) else []
+
+
+def _imported(src: Source) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(src.tree):
+        if isinstance(node, ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def move_update(facts: FixFacts, sources: Sources) -> list[Candidate]:
+    fb = facts.failing_backward
+    if not facts.update or fb is None:
+        return []
+    src = sources.at(fb)
+    if src is None:
+        return []
+    b_stmt = stmt_with(src, fb.line, lambda s: backward_call(s) is not None)
+    if b_stmt is None:
+        return []
+    for line in facts.update:
+        if line.file != fb.file:
+            continue
+        stmts = src.statements_at(line.line)
+        if not stmts:
+            continue
+        u_stmt: ast.stmt | None = stmts[0]
+        helper = src.function(stmts[0])
+        if helper is not src.function(b_stmt):
+            # The write is in a helper the loop calls: move the call.
+            u_stmt = None
+            if isinstance(helper, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for stmt in function_stmts(src, b_stmt, 0, b_stmt.lineno - 1):
+                    if any(callee(c) == helper.name for c in calls(stmt)):
+                        u_stmt = stmt
+        if u_stmt is None:
+            continue
+        common = src.common_block(u_stmt, b_stmt)
+        if common is None or common[1] >= common[2]:
+            continue
+        body, i_u, i_b = common
+        anchor = body[i_b]
+        for j in range(i_b + 1, len(body)):
+            if backward_call(body[j]) is not None:
+                break
+            if any(callee(c) == "step" for c in calls(body[j])):
+                anchor = body[j]
+                break
+        try:
+            edits = [remove(src, body[i_u]), insert_after(src, anchor, [body[i_u]])]
+        except ValueError:
+            continue
+        after = src.segment(backward_call(anchor) or next(calls(anchor), anchor))
+        moved = body[i_u]
+        head = src.line_text(moved.lineno).strip()
+        what = (f"the `{head}` block (line {moved.lineno})" if isinstance(moved, COMPOUND)
+                else f"`{src.segment(moved)}` (line {moved.lineno})")
+        cand = candidate(
+            "move_update", f"{what} moves after `{after}`: the "
+            "backward runs on the weights its forward used, and the update still happens "
+            "once an iteration", src, edits)
+        return [cand] if cand is not None else []
+    return []
+
+

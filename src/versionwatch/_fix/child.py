@@ -1,0 +1,537 @@
+"""The child process of ``versionwatch fix``: run the program, or a patched copy, and record it.
+
+``python -m versionwatch._fix.child SPEC.json`` runs the program as ``python``
+would (``sys.argv``, ``sys.path[0]`` and ``__file__`` are the original's, in the
+working directory it was given), with the edited files taken from their scratch
+copies: the main script is compiled from its copy, and a meta-path finder loads
+an edited module from its copy while its ``__file__`` stays the original's.
+
+It records every backward up to a number: the user's line, the losses, which
+parameters the backward reaches, whether it reaches a parameter through a node
+made before an optimizer step changed that parameter (a *stale* gradient), and
+the parameters' ``.grad`` after it. It stops after backward ``stop_after``, or
+at the first backward that raises (a watcher's prediction, or PyTorch's own
+error), and writes the record with ``torch.save``, then leaves at once
+(``os._exit``: no ``finally`` of the program, no ``atexit``).
+
+The tracker wraps ``torch.autograd.backward`` and ``torch.autograd.grad``
+(``Tensor.backward`` calls the first) *after* the watcher installed its own
+wrappers, so it sees every backward before the watcher's prediction raises,
+and needs nothing of the watcher but its public ``watch_all()``. Steps are seen
+through ``torch.optim``'s public global step hooks. Parameters are named from
+the user's frames at each backward (``model.0.weight``; a leaf tensor by its
+variable): the same names in the original and a patched run.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import pickle
+import runpy
+import sys
+import threading
+import traceback
+import weakref
+from collections.abc import Sequence
+from types import FrameType, ModuleType
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+
+from versionwatch._compat import is_compiling
+from versionwatch._package import PACKAGE_DIR
+from versionwatch._sites import is_library
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OUR_DIR = PACKAGE_DIR
+_SKIP = (_TORCH_DIR, _OUR_DIR, os.path.dirname(os.path.abspath(contextlib.__file__))
+         + os.sep + "contextlib.py")
+_PYTORCH_SENTENCES = {
+    "modified by an inplace operation": "inplace",
+    "backward through the graph a second time": "freed",
+}
+
+
+class _ScratchLoader(importlib.abc.Loader):
+    """Executes a module's scratch copy; the module keeps its original ``__file__``."""
+
+    def __init__(self, scratch: str) -> None:
+        self.scratch = scratch
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        with open(self.scratch, encoding="utf-8") as f:
+            code = compile(f.read(), self.scratch, "exec", dont_inherit=True)
+        exec(code, module.__dict__)
+
+
+class ScratchFinder(importlib.abc.MetaPathFinder):
+    """Finds modules as the path finder does, and loads the edited ones from their copies."""
+
+    def __init__(self, mapping: dict[str, str]) -> None:
+        self.map = {os.path.realpath(k): v for k, v in mapping.items()}
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if not self.map:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or not spec.origin:
+            return None
+        scratch = self.map.get(os.path.realpath(spec.origin))
+        if scratch is None:
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, spec.origin, loader=_ScratchLoader(scratch),
+            submodule_search_locations=spec.submodule_search_locations)
+
+
+def _library(name: str) -> bool:
+    """A frame of torch, of ours, or of a training library (Lightning, Accelerate,
+    pytest): as the watcher's sites skip them, so that the user's line is found."""
+    return name.startswith(_SKIP) or name.startswith("<frozen") or is_library(name)
+
+
+def _user_frame(frame: FrameType | None) -> FrameType | None:
+    while frame is not None:
+        if not _library(frame.f_code.co_filename):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _leaf_names(frame: FrameType | None) -> dict[int, tuple[str, torch.Tensor]]:
+    """``id(leaf) -> (name, leaf)`` for the parameters and leaf tensors the user's frames hold."""
+    names: dict[int, tuple[str, torch.Tensor]] = {}
+    seen_scopes: set[int] = set()
+
+    def add(key: str, t: torch.Tensor) -> None:
+        if id(t) not in names:
+            names[id(t)] = (key, t)
+
+    while frame is not None:
+        code = frame.f_code.co_filename
+        if not _library(code):
+            for scope in (frame.f_locals, frame.f_globals):
+                if id(scope) in seen_scopes:
+                    continue
+                seen_scopes.add(id(scope))
+                for var, value in list(scope.items()):
+                    if var.startswith("__"):
+                        continue
+                    if isinstance(value, nn.Module):
+                        for qn, p in value.named_parameters():
+                            add(f"{var}.{qn}", p)
+                    elif isinstance(value, torch.Tensor):
+                        if value.is_leaf and value.requires_grad:
+                            add(var, value)
+                    elif isinstance(value, torch.optim.Optimizer):
+                        for g, group in enumerate(value.param_groups):
+                            for j, p in enumerate(group["params"]):
+                                add(f"{var}.param_groups[{g}][{j}]", p)
+        frame = frame.f_back
+    return names
+
+
+def _seq_clock() -> int:
+    """The autograd sequence number now: nodes made before it have a smaller one."""
+    with torch.inference_mode(False), torch.enable_grad():
+        probe = torch.empty(0, requires_grad=True).view(0)
+    fn = probe.grad_fn
+    return int(fn._sequence_nr()) if fn is not None else 0
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """A fake or functional tensor: torch tracing a graph, not the program computing."""
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return False
+    if type(t).__module__.startswith("torch._subclasses"):  # FakeTensor, FunctionalTensor
+        return True
+    functional = getattr(torch._C, "_is_functional_tensor", None)
+    return bool(is_fake(t)) or (functional is not None and bool(functional(t)))
+
+
+def _tensors(value: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(v for v in value if isinstance(v, torch.Tensor))
+    return ()
+
+
+class Tracker:
+    """Counts and records the program's backwards; see the module's docstring."""
+
+    def __init__(self, spec: dict[str, Any], scratch: dict[str, str]) -> None:
+        self.out: str = spec["out"]
+        self.stop_after: int | None = spec.get("stop_after")
+        self.record_upto: int = int(spec.get("record_upto") or 0)
+        self.grads_upto: int = int(spec.get("grads_upto") or 0)
+        self.grads_at: set[int] = set(spec.get("grads_at") or ())
+        self.n = 0
+        self.records: list[dict[str, Any]] = []
+        self.local = threading.local()
+        self.changed: dict[int, tuple[weakref.ref[torch.Tensor], int, str]] = {}
+        self.steps: dict[int, int] = {}
+        self.labels: dict[int, str] = {}
+        self.classes: dict[str, int] = {}
+        self.before: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        self.names: dict[int, str] = {}  # the names found at the latest recorded backward
+        self.step_log: list[dict[str, Any]] = []
+        self.result: dict[str, Any] = {}
+        # A scratch copy's lines stand for the original file's, in the record.
+        self.back = {v: k for k, v in scratch.items()}
+
+    # -- installation ------------------------------------------------------------
+    def install(self) -> None:
+        import torch.autograd as autograd
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        autograd.backward = self._wrap(autograd.backward, 0, "tensors", 5)
+        autograd.grad = self._wrap(autograd.grad, 0, "outputs", 1)
+        register_optimizer_step_pre_hook(self._step_pre)
+        register_optimizer_step_post_hook(self._step_post)
+
+    def install_checks(self) -> None:
+        """A ``check()`` or ``assert_backward_safe()`` that finds a hazard is the failure.
+
+        The program asks before its backward (``examples/seed_story.py`` does, and
+        catches the error): the backward it asked about is the one that fails,
+        whether or not the program goes on to run it. ``assert_backward_safe``
+        calls ``check`` through its module's global, so one wrapper sees both.
+        """
+        import versionwatch
+        from versionwatch._predict import api as _predict
+
+        inner = _predict.check
+
+        @functools.wraps(inner)
+        def check(*args: Any, **kwargs: Any) -> Any:
+            report = inner(*args, **kwargs)
+            if not report.ok and not getattr(self.local, "depth", 0):
+                self.predicted(report, sys._getframe(1))
+            return report
+
+        _predict.check = check
+        versionwatch.check = check  # the lazy attribute, set before the program reads it
+        versionwatch.assert_backward_safe = _predict.assert_backward_safe
+
+    def _label(self, opt: torch.optim.Optimizer) -> str:
+        label = self.labels.get(id(opt))
+        if label is None:
+            cls = type(opt).__name__
+            k = self.classes.get(cls, 0)
+            self.classes[cls] = k + 1
+            label = self.labels[id(opt)] = cls if k == 0 else f"{cls}[{k}]"
+        return label
+
+    def _step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.before[id(opt)] = [(p, p._version) for g in opt.param_groups for p in g["params"]]
+
+    def _step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        n = self.steps[id(opt)] = self.steps.get(id(opt), 0) + 1
+        label = f"{self._label(opt)}.step() #{n}"
+        clock = _seq_clock()
+        changed = []
+        for p, v in self.before.pop(id(opt), ()):
+            if p._version != v:
+                self.changed[id(p)] = (weakref.ref(p), clock, label)
+            if id(p) in self.names:
+                changed.append(self.names[id(p)])
+        if self.n <= self.record_upto:
+            self.step_log.append({"label": label, "after": self.n, "params": changed})
+
+    def _wrap(self, inner: Any, at: int, first: str, inputs_at: int) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            # A backward inside a backward, or torch.compile tracing one (AOTAutograd's
+            # joint graph, on fake tensors): none of the program's own backwards.
+            if getattr(self.local, "depth", 0) or is_compiling():
+                return inner(*args, **kwargs)
+            roots = args[at] if len(args) > at else kwargs.get(first)
+            if isinstance(roots, (torch.Tensor, list, tuple)) and any(
+                    _traced(t) for t in _tensors(roots)):
+                return inner(*args, **kwargs)  # older torch: is_compiling() is False there
+            if roots is not None and not isinstance(roots, (torch.Tensor, list, tuple)):
+                roots = tuple(roots)  # an iterator: read once, here
+                if len(args) > at:
+                    args = (*args[:at], roots, *args[at + 1:])
+                else:
+                    kwargs[first] = roots
+            inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
+            if inputs is not None and not isinstance(inputs, (torch.Tensor, list, tuple)):
+                inputs = tuple(inputs)
+                if len(args) > inputs_at:
+                    args = (*args[:inputs_at], inputs, *args[inputs_at + 1:])
+                else:
+                    kwargs["inputs"] = inputs
+            self.n += 1
+            k = self.n
+            frame = _user_frame(sys._getframe(1))
+            rec: dict[str, Any] = {"n": k, "site": self._site(frame)}
+            names: dict[int, tuple[str, torch.Tensor]] = {}
+            if k <= self.record_upto or k in self.grads_at:
+                names = _leaf_names(frame)
+                self.names = {i: key for i, (key, _) in names.items()}
+                rec["loss"] = [t.detach().to("cpu", copy=True) for t in _tensors(roots)]
+                try:
+                    rec["reach"], rec["stale"] = self._walk(_tensors(roots), _tensors(inputs),
+                                                            names)
+                except Exception as e:  # the record is a check's, never the program's failure
+                    rec["reach"], rec["stale"] = [], []
+                    rec["walk_error"] = repr(e)
+            self.records.append(rec)
+            self.local.depth = 1
+            try:
+                out = inner(*args, **kwargs)
+            except Exception as e:
+                self.fail(k, e)
+            finally:
+                self.local.depth = 0
+            if k <= self.grads_upto or k in self.grads_at:
+                rec["grads"] = {key: (None if t.grad is None
+                                      else t.grad.detach().to("cpu", copy=True))
+                                for key, t in names.values()}
+            if self.stop_after is not None and k >= self.stop_after:
+                self.finish("stopped", 0)
+            return out
+
+        wrapped.__name__ = getattr(inner, "__name__", "backward")
+        return wrapped
+
+    def _site(self, frame: FrameType | None) -> list[Any] | None:
+        if frame is None:
+            return None
+        name = frame.f_code.co_filename
+        return [self.back.get(name, name), frame.f_lineno, name in self.back]
+
+    def _walk(self, roots: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
+              names: dict[int, tuple[str, torch.Tensor]],
+              ) -> tuple[list[str], list[list[str]]]:
+        reach: set[str] = set()
+        stale: dict[str, str] = {}
+        seen: set[int] = set()
+        # Held while walking: a node's Python object lives only as long as someone
+        # holds it (torch 2.4), and an id freed could come back for another node.
+        alive: list[Any] = []
+        stack = []
+        for r in roots:
+            if r.grad_fn is not None:
+                stack.append(r.grad_fn)
+            elif r.requires_grad and id(r) in names:
+                reach.add(names[id(r)][0])
+        while stack:
+            fn = stack.pop()
+            if id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            alive.append(fn)
+            for child, _ in fn.next_functions:
+                if child is None:
+                    continue
+                leaf = getattr(child, "variable", None)
+                if leaf is None:
+                    stack.append(child)
+                    continue
+                named = names.get(id(leaf))
+                if named is None:
+                    continue
+                reach.add(named[0])
+                changed = self.changed.get(id(leaf))
+                if changed is not None and changed[0]() is leaf and fn._sequence_nr() < changed[1]:
+                    stale.setdefault(named[0], changed[2])
+        if inputs:
+            wanted = {names[id(t)][0] for t in inputs if id(t) in names}
+            reach &= wanted
+            stale = {k: v for k, v in stale.items() if k in wanted}
+        return sorted(reach), [[k, v] for k, v in sorted(stale.items())]
+
+    # -- the end -----------------------------------------------------------------
+    def predicted(self, report: Any, frame: FrameType | None) -> NoReturn:
+        """A hazard found before any backward ran (``check()``, or a watcher at a write):
+        the failure of the next backward, at the line that found it."""
+        from versionwatch._predict.api import raise_for
+
+        k = self.n + 1
+        self.records.append({"n": k, "site": self._site(_user_frame(frame)), "before": True})
+        try:
+            raise_for(report)
+        except Exception as e:
+            self.fail(k, e)
+        raise AssertionError("raise_for raised nothing for a report with hazards")
+
+    def fail(self, k: int, err: BaseException) -> NoReturn:
+        from versionwatch._report.errors import FreedGraphError, InplaceModificationError
+
+        r = self.result = {"status": "failed", "exit": 1, "failed_at": k,
+                           "error": _one_line(err), "ours": False}
+        report = getattr(err, "report", None)
+        if isinstance(err, (InplaceModificationError, FreedGraphError)) and report is not None:
+            from versionwatch._candidates.facts import from_report
+
+            h = report.hazards[0]
+            r["ours"] = True
+            r["hazard"] = {"kind": h.kind, "node": h.node, "slot": h.slot,
+                           "tensor": h.tensor or h.describe_tensor()}
+            r["report"] = report.to_dict()
+            r["text"] = str(report)
+            try:  # the report itself, for FixResult.report (plain data: it pickles)
+                r["report_pickle"] = base64.b64encode(pickle.dumps(report)).decode("ascii")
+            except Exception as e:  # the dict above stands without it
+                r["report_pickle_error"] = repr(e)
+            try:
+                r["facts"] = from_report(report).to_dict()
+            except Exception as e:  # facts are a help; the record stands without them
+                r["facts_error"] = repr(e)
+        else:
+            text = str(err)
+            kind = next((v for s, v in _PYTORCH_SENTENCES.items() if s in text), None)
+            if kind is not None:
+                r["ours"] = True
+                r["hazard"] = {"kind": kind, "node": "", "slot": "", "tensor": ""}
+                r["text"] = text
+        self.finish(r["status"], 1)
+
+    def error(self, err: BaseException) -> NoReturn:
+        from versionwatch._report.errors import FreedGraphError, InplaceModificationError
+
+        tb = traceback.extract_tb(err.__traceback__)
+        if isinstance(err, (InplaceModificationError, FreedGraphError)) and getattr(
+                err, "report", None) is not None:
+            # Raised outside any backward (a watcher at a write, a check the program
+            # made): the hazard of the next backward, at the program's line.
+            user = [fr for fr in tb if not fr.filename.startswith(_SKIP)]
+            site = None
+            if user:
+                name = user[-1].filename
+                site = [self.back.get(name, name), user[-1].lineno, name in self.back]
+            k = self.n + 1
+            self.records.append({"n": k, "site": site, "before": True})
+            self.fail(k, err)
+        site = None
+        for fr in reversed(tb):
+            if not fr.filename.startswith(_SKIP):
+                site = [self.back.get(fr.filename, fr.filename), fr.lineno,
+                        fr.filename in self.back]
+                break
+        # The program's traceback, its own frames only, as Python would print it.
+        frames = [fr for fr in tb if not fr.filename.startswith(_SKIP)]
+        trace = "Traceback (most recent call last):\n" + "".join(
+            traceback.format_list(frames)) + "".join(
+            traceback.format_exception_only(type(err), err))
+        for scratch, original in self.back.items():
+            trace = trace.replace(scratch, original)
+        self.result = {"status": "error", "exit": 1, "error": _one_line(err),
+                       "error_site": site, "trace": trace}
+        self.finish("error", 1)
+
+    def finish(self, status: str, code: int) -> NoReturn:
+        self.result.setdefault("status", status)
+        self.result.setdefault("exit", code)
+        self.result["backwards"] = self.n
+        self.result["records"] = self.records
+        self.result["steps"] = self.step_log
+        tmp = self.out + ".tmp"
+        try:
+            torch.save(self.result, tmp)
+        except Exception as e:  # a tensor we kept cannot be saved: the record without values
+            self.result["records"] = [{k: v for k, v in r.items() if k not in ("loss", "grads")}
+                                      for r in self.records]
+            self.result["record_error"] = repr(e)
+            torch.save(self.result, tmp)
+        os.replace(tmp, self.out)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(0)
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def _run_main(argv0: str, scratch: dict[str, str]) -> None:
+    filename = os.path.join(os.getcwd(), argv0)
+    source = scratch.get(os.path.realpath(filename), filename)
+    with open(source, encoding="utf-8") as f:
+        code = compile(f.read(), source, "exec", dont_inherit=True)
+    main = ModuleType("__main__")
+    main.__dict__.update(__file__=filename, __cached__=None, __package__=None, __spec__=None,
+                         __builtins__=__builtins__)
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+
+
+def main(argv: Sequence[str]) -> int:
+    with open(argv[0], encoding="utf-8") as f:
+        spec = json.load(f)
+    if spec.get("cwd"):
+        os.chdir(spec["cwd"])  # a fork server's run: the program's working directory
+    scratch = {os.path.realpath(k): v for k, v in (spec.get("scratch") or {}).items()}
+    program: list[str] = spec["argv"]
+    sys.meta_path.insert(0, ScratchFinder(scratch))
+    if program[0] == "-m":
+        sys.argv = ["-m", *program[2:]]
+        sys.path[0] = os.getcwd()
+    elif program[0] == "-c":
+        sys.argv = ["-c", *program[2:]]
+        sys.path[0] = ""
+    else:
+        sys.argv = list(program)
+        sys.path[0] = os.path.dirname(os.path.realpath(program[0]))
+    watcher = None
+    if spec.get("watch", "default") != "none":
+        import versionwatch
+
+        os.environ.pop("VERSIONWATCH_ON_HAZARD", None)  # a check raises at every hazard
+        watcher = versionwatch.watch_all(on_hazard="raise", strict=spec.get("watch") == "strict")
+    tracker = Tracker(spec, scratch)
+    tracker.install()  # after the watcher's own wrappers: it sees every backward first
+    if watcher is not None:
+        tracker.install_checks()
+    context: Any = contextlib.nullcontext()
+    if spec.get("allow_mutation"):
+        context = torch.autograd.graph.allow_mutation_on_saved_tensors()
+    try:
+        with context:
+            if program[0] == "-m":
+                runpy.run_module(program[1], run_name="__main__", alter_sys=True)
+            elif program[0] == "-c":
+                code = compile(program[1], spec.get("filename", "<string>"), "exec",
+                               dont_inherit=True)
+                main_module = ModuleType("__main__")
+                main_module.__dict__["__builtins__"] = __builtins__
+                sys.modules["__main__"] = main_module
+                exec(code, main_module.__dict__)
+            else:
+                _run_main(program[0], scratch)
+    except SystemExit as e:
+        code_ = e.code
+        # int() of an IntEnum (pytest.ExitCode): the record holds plain data only
+        status = int(code_) if isinstance(code_, int) else (0 if code_ is None else 1)
+        tracker.result = {"status": "exited" if status else "completed", "exit": status}
+        tracker.finish("exited", status)
+    except BaseException as e:
+        tracker.error(e)
+    del watcher
+    tracker.finish("completed", 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,528 @@
+"""``versionwatch fix``: the fix as a patch of the user's own lines, checked by running it.
+
+1. The program runs once in strict mode (a child process) up to its first
+   hazard: the report gives the facts (:func:`versionwatch._candidates.facts.from_report`)
+   and the run records the losses, gradients and reach of every backward
+   before it.
+2. :func:`versionwatch._candidates.edits.propose` builds candidate edits of the
+   user's lines from those facts.
+3. Each candidate is checked by running the patched program
+   (:mod:`versionwatch._fix.check`): verified ones are printed first, as
+   unified diffs; the rejected ones after, with why.
+
+The program runs once more per candidate (and once more, unwatched, to get the
+gradients of the failing backward when a candidate claims to keep the values),
+with its side effects. Nothing of the user's is written but by ``--apply``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from versionwatch._candidates.edits import Candidate, Sources, propose
+from versionwatch._candidates.facts import FixFacts, Line, shown
+from versionwatch._candidates.shared import backward_after
+from versionwatch._fix.check import Run, judge, run_child, write_scratch
+from versionwatch._fix.server import ForkServer
+from versionwatch._report.model import Fix, Report
+
+USAGE = ("versionwatch fix [--check-steps N] [--timeout SECONDS] [--jobs N] [--fresh] [--apply] "
+         "[--json PATH] [--facts PATH] (SCRIPT | -m MODULE | -c CODE | -) [ARGS...]")
+# Backwards recorded in full (losses, reach) and with their gradients.
+_RECORD_UPTO = 1000
+_GRADS_UPTO = 8
+
+
+@dataclass
+class FixResult:
+    """What ``versionwatch fix`` found and did.
+
+    Attributes:
+        status: ``"no_hazard"``, ``"not_ours"`` (the program failed otherwise),
+            ``"unchecked"`` (a program that is not a file: patches as text),
+            or ``"checked"``.
+        exit_code: the command's exit status.
+        original: the first run, up to the failure.
+        facts: the facts the candidates were made from.
+        candidates: verified first, then the rest.
+        applied: the candidate ``--apply`` wrote, if any.
+        failing: the number of the backward that fails.
+        notes: lines to print after the candidates.
+        asked_at: where the program's ``check()``/``assert_backward_safe()``
+            (or a watcher, at a write) found the hazard before the backward ran.
+        report: the first run's :class:`~versionwatch.Report`, the hazard's
+            ``fixes`` filled with the candidates (``None`` without a hazard).
+    """
+
+    status: str
+    exit_code: int
+    original: Run | None = None
+    facts: FixFacts | None = None
+    candidates: list[Candidate] = field(default_factory=list)
+    applied: Candidate | None = None
+    failing: int = 0
+    check_steps: int = 3
+    notes: list[str] = field(default_factory=list)
+    asked_at: Line | None = None
+    report: Report | None = None
+
+    @property
+    def verified(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.verified]
+
+    def fill_report(self) -> None:
+        """``report``: the first run's report, its first hazard's ``fixes`` the candidates."""
+        report = self.original.report_object() if self.original is not None else None
+        if report is not None and report.hazards:
+            report.hazards[0].fixes = [Fix(**c.to_dict()) for c in self.candidates]
+        self.report = report
+
+
+def _program_file(program: list[str]) -> str | None:
+    """The main script's path, or ``None`` for ``-m``/``-c``/stdin."""
+    if program[0] in ("-m", "-c"):
+        return None
+    return os.path.join(os.getcwd(), program[0])
+
+
+def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: int = 3,
+        timeout: float = 120.0, jobs: int = 1, fresh: bool = False,
+        sources: dict[str, str] | None = None, server: ForkServer | None = None) -> FixResult:
+    """Find the first hazard of ``program``, propose patches, and check each one.
+
+    What ``versionwatch fix`` does, without printing or writing anything:
+    ``result.report.hazards[0].fixes`` holds the patches (verified first),
+    ``result.verified`` the verified ones; :func:`apply_patch` writes one.
+
+    Args:
+        program: ``["script.py", ARGS...]``, ``["-m", "pkg.mod", ARGS...]`` or
+            ``["-c", CODE, ARGS...]``, run in the current working directory.
+        facts: the facts to propose from (default: the strict run's report).
+        check_steps: how many backwards past the failing one a check runs.
+        timeout: seconds each run may take.
+        jobs: how many checks run at once.
+        fresh: run each run in a new interpreter rather than a fork of one
+            that imported torch (for a program that sets torch's environment
+            up before importing it).
+        sources: source text of files that are not on disk (``"<string>"``).
+        server: the fork server to run on (default: one of its own, where
+            ``os.fork`` exists; one for many calls saves its start-up).
+
+    Example:
+        >>> import versionwatch
+        >>> result = versionwatch.fix(["train.py"])           # doctest: +SKIP
+        >>> print(result.report.hazards[0].fixes[0].diff)     # doctest: +SKIP
+    """
+    program = list(program)
+    if not program or not all(isinstance(a, str) for a in program):
+        raise TypeError("fix() takes the program as a list of strings: "
+                        "['train.py', ARGS...], ['-m', 'pkg.mod', ...] or ['-c', CODE, ...]")
+    own = server is None and not fresh and hasattr(os, "fork")
+    if own:
+        server = ForkServer()
+    try:
+        result = _fix(program, facts, check_steps, timeout, jobs, sources, server)
+        result.fill_report()
+        return result
+    finally:
+        if own and server is not None:
+            server.close()
+
+
+def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: float,
+         jobs: int, sources: dict[str, str] | None, server: ForkServer | None) -> FixResult:
+    original = run_child(program, watch="strict", record_upto=_RECORD_UPTO,
+                         grads_upto=_GRADS_UPTO, timeout=timeout, server=server)
+    if original.status in ("completed", "stopped") or (
+            original.status == "exited" and not original.exit):
+        return FixResult("no_hazard", 0, original)
+    if original.status != "failed" or not original.ours:
+        return FixResult("not_ours", original.exit or 1, original)
+    failing = original.failed_at or 0
+    if facts is None:
+        facts = _facts_of(original)
+    texts = dict(sources or {})
+    if program[0] == "-c":
+        texts.setdefault("<string>", program[1])
+    asked_at = None
+    rec = original.record(failing)
+    if rec and rec.get("before") and rec.get("site"):
+        # Found before the backward ran: the backward it asked about is the one.
+        asked_at = Line(rec["site"][0], int(rec["site"][1]))
+        if facts.failing_backward is None:
+            asked = _backward_asked(asked_at, Sources({**facts.sources, **texts}))
+            if asked is not None:
+                facts = replace(facts, failing_backward=asked)
+                rec["site"] = [asked.file, asked.line, False]
+    if facts.failing_backward is None:
+        rec = original.record(failing)
+        if rec and rec.get("site"):
+            facts = replace(facts, failing_backward=Line(rec["site"][0], int(rec["site"][1])))
+    candidates = propose(replace(facts, sources={**facts.sources, **texts}),
+                         Sources({**facts.sources, **texts}), main=_program_file(program))
+    result = FixResult("checked", 1, original, facts, candidates, failing=failing,
+                       check_steps=check_steps, asked_at=asked_at)
+    if program[0] == "-c" or any(p.startswith("<") for c in candidates for p in c.files):
+        result.status = "unchecked"
+        result.notes.append("not checked: the program is not a file that can be run again "
+                            "with a patch; these patches are text only")
+        return result
+    meant = None
+    if facts.kind == "inplace" and any(c.keeps_values for c in candidates):
+        meant = run_child(program, watch="none", allow_mutation=True, stop_after=failing,
+                          record_upto=0, grads_at=(failing,), timeout=timeout, server=server)
+
+    # A silent write through .data is seen in strict mode only: check in the mode
+    # that saw the hazard.
+    mode = "strict" if facts.kind == "silent" else "default"
+
+    def check(c: Candidate) -> None:
+        folder = tempfile.mkdtemp(prefix="versionwatch-fix-")
+        try:
+            scratch = write_scratch(c, folder)
+            run = run_child(program, scratch=scratch, watch=mode,
+                            stop_after=failing + check_steps,
+                            record_upto=failing + check_steps,
+                            grads_upto=min(failing, _GRADS_UPTO), timeout=timeout,
+                            workdir=folder, server=server)
+            judge(c, run, original, meant, failing, check_steps, timeout)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    if jobs > 1 and len(candidates) > 1:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(check, candidates))
+    else:
+        for c in candidates:
+            check(c)
+    for c in candidates:
+        if c.family in ("move_step", "sum_losses") and c.extra.get("other_step"):
+            c.summary += _also_applies(original, failing)
+    candidates = _refresh_order(candidates, original, failing)
+    result.candidates = [c for c in candidates if c.verified] + \
+        [c for c in candidates if not c.verified]
+    return result
+
+
+def _refresh_order(candidates: list[Candidate], original: Run, failing: int) -> list[Candidate]:
+    """The forward again after the step (``refresh``) first when the failing backward
+    trains parameters that step did not (a GAN's generator loss through D after
+    opt_d.step()); after the merged step and the summed losses when the step
+    changed all it reaches (two losses of one model: one step for both is meant)."""
+    refresh = [c for c in candidates if c.family == "refresh"]
+    rec = original.record(failing)
+    if not refresh or rec is None or not rec.get("reach"):
+        return candidates
+    stepped = {p for st in original.steps if st["after"] == failing - 1 for p in st["params"]}
+    rest = [c for c in candidates if c.family != "refresh"]
+    if set(rec["reach"]) - stepped:
+        return refresh + rest
+    at = max((i + 1 for i, c in enumerate(rest) if c.family in ("move_step", "sum_losses")),
+             default=0)
+    return rest[:at] + refresh + rest[at:]
+
+
+def _also_applies(original: Run, failing: int) -> str:
+    """What a step moved after backward ``failing`` now also applies, from the original run."""
+    rec = original.record(failing)
+    if rec is None or "reach" not in rec:
+        return ""
+    stepped = {p for s in original.steps if s["after"] == failing - 1 for p in s["params"]}
+    shared = sorted(stepped & set(rec["reach"]))
+    if not shared:
+        return ""
+    names = ", ".join(shared[:3]) + (f" (+{len(shared) - 3})" if len(shared) > 3 else "")
+    return (f"; the step then also applies the gradients of backward #{failing} to {names}: "
+            "right when that loss should train them (a shared trunk), wrong when it must not "
+            "(a GAN's discriminator: re-run its forward after the step instead)")
+
+
+def _backward_asked(asked_at: Line, sources: Sources) -> Line | None:
+    """The backward that a ``check()`` at ``asked_at`` asked about, from the source."""
+    src = sources.at(asked_at)
+    stmt = backward_after(src, asked_at.line) if src is not None else None
+    if src is None or stmt is None:
+        return None
+    return Line(asked_at.file, stmt.lineno, src.line_text(stmt.lineno).strip())
+
+
+def _facts_of(run: Run) -> FixFacts:
+    if run.facts:
+        return FixFacts.from_dict(run.facts)
+    kind = (run.hazard or {}).get("kind", "inplace")
+    return FixFacts(kind=kind)
+
+
+def unchecked(report: Report, main: str | None = None) -> list[Fix]:
+    """The patches ``versionwatch fix`` would check for ``report``'s first hazard, unchecked.
+
+    Made in this process from the report alone (no run): for an integration that
+    has a report in hand (the Lightning callback). ``main``: the program's main
+    script, searched for in-place modules. Each one's ``why`` says how to check it.
+    """
+    from versionwatch._candidates.facts import from_report
+
+    if not report.hazards:
+        return []
+    program = shown(main) if main else "SCRIPT"
+    out = []
+    for c in propose(from_report(report), main=main):
+        c.why = c.hides or (f"not checked: `versionwatch fix {program}` checks it by running "
+                            "the patched program")
+        out.append(Fix(**c.to_dict()))
+    return out
+
+
+def apply_patch(candidate: Candidate) -> str | None:
+    """Write ``candidate``'s files; ``None`` when done, else why not (nothing written then)."""
+    cwd = os.path.realpath(os.getcwd()) + os.sep
+    for path, (old, _) in candidate.files.items():
+        if not os.path.realpath(path).startswith(cwd):
+            return f"{path} is not under the working directory; apply the patch by hand"
+        try:
+            with open(path, encoding="utf-8") as f:
+                now = f.read()
+        except OSError as e:
+            return f"cannot read {shown(path)}: {e.strerror or e}"
+        if now != old:
+            return f"{shown(path)} changed since the run; run versionwatch fix again"
+    for path, (_, new) in candidate.files.items():
+        folder = os.path.dirname(path)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".versionwatch-fix-")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(new)
+            shutil.copymode(path, tmp)
+            os.replace(tmp, path)
+        except OSError as e:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            return f"cannot write {shown(path)}: {e.strerror or e}"
+    return None
+
+
+# -- output ---------------------------------------------------------------------------
+
+def render(result: FixResult) -> str:
+    """The text ``versionwatch fix`` prints: verified diffs first, then the rejected ones."""
+    original = result.original
+    if result.status == "no_hazard":
+        n = original.backwards if original else 0
+        return f"versionwatch fix: no hazard ({n} backward(s) ran); nothing to fix"
+    if result.status == "not_ours":
+        what = original.error if original and original.error else "an error"
+        where = ""
+        if original and original.error_site:
+            where = f" at {shown(original.error_site[0])}:{original.error_site[1]}"
+        if original and original.status in ("exited", "died"):
+            what = f"exit status {original.exit}"
+        if original and original.status == "timeout":
+            what = "a time-out"
+        return (f"versionwatch fix: the program ended with {what}{where}, not a failure "
+                "versionwatch fixes; nothing changed")
+    out = []
+    head = (original.text.splitlines()[0] if original and original.text else "").removeprefix(
+        "versionwatch: ")
+    rec = original.record(result.failing) if original else None
+    at = f" at {shown(rec['site'][0])}:{rec['site'][1]}" if rec and rec.get("site") else ""
+    if result.asked_at is not None:
+        at += f" (found before it ran, at {result.asked_at})"
+    out.append(f"versionwatch fix: backward #{result.failing}{at}: {head}")
+    cands = result.candidates
+    if not cands:
+        out.append("versionwatch fix: no patch found for this failure; the report's fix:")
+        fix_line = next((ln.strip() for ln in (original.text if original else "").splitlines()
+                         if ln.strip().startswith("fix ")), "")
+        if fix_line:
+            out.append("  " + fix_line)
+        return "\n".join(out)
+    if result.status == "unchecked":
+        out.append(f"versionwatch fix: {len(cands)} candidate patch(es), not checked")
+        for note in result.notes:
+            out.append(f"versionwatch fix: {note}")
+        for c in cands:
+            out.append("")
+            out.append(f"unchecked: {c.summary}")
+            out.append(c.diff.rstrip("\n"))
+        return "\n".join(out)
+    verified = result.verified
+    out.append(f"versionwatch fix: {len(cands)} candidate patch(es), {len(verified)} verified "
+               f"(each checked by running the patched program to {result.check_steps} "
+               f"backward(s) past #{result.failing})")
+    for c in verified:
+        out.append("")
+        out.append(f"verified: {c.summary}")
+        out.append(f"  {c.why}")
+        out.append(c.diff.rstrip("\n"))
+    rejected = [c for c in cands if not c.verified]
+    if rejected:
+        out.append("")
+        out.append("rejected:")
+        for c in rejected:
+            old = c.old.strip().splitlines()
+            new = c.new.strip().splitlines()
+            change = f"{old[0] if old else ''} -> {new[0] if new else '(removed)'}"
+            out.append(f"  {c.family} at {shown(c.file)}:{c.line}: {change}")
+            out.append(f"    {c.why}")
+    if result.applied is not None:
+        out.append("")
+        out.append(f"versionwatch fix: applied the first verified patch to "
+                   f"{', '.join(shown(p) for p in result.applied.files)}")
+    out.extend(f"versionwatch fix: {note}" for note in result.notes)
+    return "\n".join(out)
+
+
+def to_json(result: FixResult, target: str | None) -> dict[str, Any]:
+    """The run's document (schema ``versionwatch.report/1``) with the candidates in it."""
+    from versionwatch._report.document import SCHEMA
+
+    original = result.original
+    report = (original.report if original else None) or {}
+    hazards = [dict(h) for h in report.get("hazards") or []]
+    fixes = [c.to_dict() for c in result.candidates]
+    if hazards:
+        hazards[0]["fixes"] = fixes
+    return {
+        "schema": SCHEMA,
+        "ok": result.status == "no_hazard",
+        "hazards": hazards,
+        "unverifiable": report.get("unverifiable", []),
+        "target": target,
+        "exit_status": result.exit_code,
+        "exception": original.error if original else None,
+        "fix": {
+            "status": result.status,
+            "failing_backward": result.failing or None,
+            "check_steps": result.check_steps,
+            "facts": result.facts.to_dict() if result.facts else None,
+            "candidates": fixes,
+            "applied": None if result.applied is None else {
+                "file": shown(result.applied.file), "line": result.applied.line},
+        },
+    }
+
+
+# -- the command ---------------------------------------------------------------------
+
+_VALUED = {"--check-steps", "--timeout", "--jobs", "--json", "--facts"}
+_FLAGS = {"--apply", "--fresh", "-h", "--help"}
+
+
+class _Usage(Exception):
+    pass
+
+
+def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    opts: dict[str, Any] = {"check_steps": 3, "timeout": 120.0, "jobs": 1, "apply": False,
+                            "fresh": False,
+                            "json": None, "facts": None}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if arg == "--":
+            return opts, list(argv[i + 1:])
+        if arg in ("-h", "--help"):
+            opts["help"] = True
+            return opts, []
+        if arg in ("--apply", "--fresh"):
+            opts[arg[2:]] = True
+            i += 1
+            continue
+        if arg in ("-m", "-c"):
+            if i + 1 >= len(argv):
+                raise _Usage(f"{arg} needs an argument")
+            return opts, [arg, *argv[i + 1:]]
+        if name in _VALUED:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise _Usage(f"{name} needs a value")
+                value = argv[i + 1]
+                i += 1
+            key = name[2:].replace("-", "_")
+            if key in ("check_steps", "jobs"):
+                if not value.isdigit() or (key == "jobs" and int(value) < 1):
+                    raise _Usage(f"{name} takes a whole number, not {value!r}")
+                opts[key] = int(value)
+            elif key == "timeout":
+                try:
+                    opts[key] = float(value)
+                except ValueError:
+                    raise _Usage(f"{name} takes seconds, not {value!r}") from None
+                if opts[key] <= 0:
+                    raise _Usage(f"{name} takes a positive number of seconds")
+            else:
+                opts[key] = value
+            i += 1
+            continue
+        if arg.startswith("-") and arg != "-":
+            raise _Usage(f"unknown option {arg}")
+        return opts, list(argv[i:])
+    return opts, []
+
+
+def main(argv: Sequence[str], *, server: ForkServer | None = None) -> int:
+    """``versionwatch fix ...``: returns the exit status.
+
+    ``server``: a fork server to run on (tests share one); ``--fresh`` ignores it.
+    """
+    try:
+        opts, program = _parse(argv)
+        if opts.get("help"):
+            print(f"usage: {USAGE}")
+            return 0
+        if not program:
+            raise _Usage("give a SCRIPT, -m MODULE, -c CODE or - (the program on stdin)")
+        sources: dict[str, str] = {}
+        if program[0] == "-":
+            code = sys.stdin.read()
+            program = ["-c", code, *program[1:]]
+            sources["<string>"] = code
+        elif program[0] not in ("-m", "-c") and not os.path.isfile(program[0]):
+            raise _Usage(f"can't open file {program[0]!r}: no such file")
+        facts = None
+        if opts["facts"]:
+            try:
+                with open(opts["facts"], encoding="utf-8") as f:
+                    facts = FixFacts.from_dict(json.load(f))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise _Usage(f"--facts {opts['facts']}: {e}") from None
+    except _Usage as e:
+        print(f"versionwatch fix: error: {e} (versionwatch fix --help)", file=sys.stderr)
+        return 2
+    result = fix(program, facts=facts, check_steps=opts["check_steps"],
+                 timeout=opts["timeout"], jobs=opts["jobs"], fresh=opts["fresh"],
+                 sources=sources, server=None if opts["fresh"] else server)
+    if opts["apply"] and result.status == "checked":
+        if result.verified:
+            problem = apply_patch(result.verified[0])
+            if problem is None:
+                result.applied = result.verified[0]
+                result.exit_code = 0
+            else:
+                result.notes.append(f"--apply: nothing written: {problem}")
+        else:
+            result.notes.append("--apply: nothing written: no patch was verified")
+    text = render(result)
+    if result.status == "not_ours" and result.original is not None and result.original.trace:
+        print(result.original.trace.rstrip("\n"), file=sys.stderr)  # as the program says it
+    print(text, file=sys.stderr if result.status in ("no_hazard", "not_ours") else sys.stdout)
+    if opts["json"]:
+        target = program[1] if program[0] == "-m" else (
+            "-c" if program[0] == "-c" else program[0])
+        try:
+            with open(opts["json"], "w", encoding="utf-8") as f:
+                json.dump(to_json(result, target), f, indent=2)
+                f.write("\n")
+        except OSError as e:
+            print(f"versionwatch fix: error: cannot write --json {opts['json']}: "
+                  f"{e.strerror or e}", file=sys.stderr)
+    return result.exit_code

@@ -1,0 +1,251 @@
+"""Words: a report rendered as text, one headline, one fact a line, then the fix.
+
+It depends on the report, which knows nothing of it: loading this module
+registers the text renderer (and, through ``_dot``, the Graphviz one) that
+``str(report)`` and ``report.to_dot()`` use. The package loads it at import.
+The fix itself is chosen in ``_advice``; this module only places it.
+"""
+
+from __future__ import annotations
+
+from versionwatch._report import dot as _dot  # noqa: F401  (loads and registers the Graphviz renderer)
+from versionwatch._report.advice import rewrite_for
+from versionwatch._report.model import UNSURE_HOOKS, Hazard, Report, register_renderer
+from versionwatch._report.source_lines import without_comment
+
+__all__ = ["render_report"]
+
+
+def _headline(report: Report, h: Hazard) -> str:
+    if h.detected == "at_write":
+        write = h.modified_by[0] if h.modified_by else None
+        what = f"{write.description} at {write.site}" if write and write.site else "this write"
+        if h.kind == "silent":
+            return (f"versionwatch: {what} changes {h.tensor or 'a tensor'}, which a live graph "
+                    "saved for backward, without a version bump: backward would silently "
+                    "compute wrong gradients")
+        return (f"versionwatch: {what} would invalidate {h.tensor or 'a tensor'}, which a live "
+                "graph saved for backward: it would be modified by an inplace operation")
+    verb = "backward will fail" if h.detected == "predicted" else "backward failed"
+    if h.kind == "freed":
+        return (
+            f"versionwatch: {verb}: it would backward through the graph a second time; "
+            f"the tensors saved by {h.node} were already freed"
+        )
+    if h.kind == "silent":
+        return (
+            f"versionwatch: backward will compute wrong gradients: {h.describe_tensor()} "
+            f"saved by {h.node} was changed without a version bump"
+        )
+    return (
+        f"versionwatch: {verb}: {_called(h)} saved by {h.node} was "
+        "modified by an inplace operation"
+    )
+
+
+def _called(h: Hazard) -> str:
+    """The tensor's name, else the user's variable for it, else ``a tensor``."""
+    if h.tensor:
+        return h.tensor
+    variable = h.user_variable()
+    return f"`{variable}`" if variable else "a tensor"
+
+
+def _where(h: Hazard) -> str:
+    """``Node.slot``; a compiled region's node says that it is one."""
+    if h.node == "CompiledFunctionBackward":
+        return f"a compiled region ({h.where})"
+    return h.where
+
+
+def _module(h: Hazard) -> str:
+    """`` in module`` (and a compiled module's forward), or nothing."""
+    text = f" in {h.module}" if h.module else ""
+    if h.compiled_forward is not None:
+        code = f": {h.compiled_forward.code}" if h.compiled_forward.code else ""
+        text += f" (compiled from the forward at {h.compiled_forward}{code})"
+    return text
+
+
+def _write_facts(h: Hazard) -> list[tuple[str, str]]:
+    saved = f"at version {h.saved_version}" + _module(h)
+    if h.saved_during:
+        saved += f", during {h.saved_during}"
+    if h.saved_at is not None:
+        saved = _saved_at(h, by=False)
+    facts = [("tensor", h.describe_tensor()), ("saved", saved)]
+    for m in h.modified_by:
+        if m.writer is not None:  # inside a library module's forward: the module, its call
+            facts.append(("write", str(m)))
+            continue
+        code = f": {m.site.code}" if m.site and m.site.code else ""
+        facts.append(("write", f"{m.description} at {m.site}{code}" if m.site else m.description))
+    facts += [("note", note) for note in h.notes]
+    return facts
+
+
+def _saved_at(h: Hazard, by: bool = True) -> str:
+    """``Node.slot at file:line: code (in module, during forward #1 called at file:line)``.
+
+    ``by=False``: a write's report, which knows no node yet: ``at file:line: code (...)``.
+    """
+    site = h.saved_at
+    assert site is not None
+    text = (f"{_where(h)} " if by else "") + f"at {site}" + (f": {site.code}" if site.code else "")
+    context = []
+    if h.module:
+        context.append(_module(h)[1:])
+    if h.saved_during:
+        # The forward's own site is the call, the op's line is above: say which is which.
+        label, sep, where = h.saved_during.rpartition(" at ")
+        context.append(f"during {label} called at {where}" if sep else f"during {where}")
+    if h.saved_version is not None:
+        context.append(f"at version {h.saved_version}")
+    return text + (f" ({', '.join(context)})" if context else "")
+
+
+def _freed_facts(h: Hazard, report: Report) -> list[tuple[str, str]]:
+    facts: list[tuple[str, str]] = []
+    f = h.freed_by
+    if f is not None:
+        text = f"{f.description}" + (f" at {f.site}" if f.site else "")
+        if f.site is not None and f.site == report.backward_site:
+            text += " (this same line, in an earlier iteration)"
+        text += ", which ran without retain_graph=True"
+        facts.append(("freed by", text))
+    c = h.carrier
+    if h.carried_by is not None or c is not None:
+        name = (c.name if c is not None and c.name else h.carried_by) or ""
+        what = f"`{name}`" if name else "a tensor made before that backward"
+        if c is not None:
+            if c.site is not None:
+                code = f" (`{without_comment(c.site.code)}`)" if c.site.code else ""
+                what += f", made at {c.site}{code}"
+                if c.module:
+                    what += f" by {c.module}"
+            elif c.module:
+                what += f", made by {c.module}"
+            if c.fed_to is not None:
+                what += f", fed to {c.fed_to}"
+        facts.append(("carried by", f"{what}: this backward's graph was built after that "
+                                    "backward, and reaches into the freed graph through it"))
+    b = h.between
+    if b is not None:
+        events = ", ".join(str(m) for m in b.events) if b.events else "nothing ran"
+        after = f.description if f is not None else "the backward that freed the graph"
+        facts.append(("between", f"{events} (after {after}, before this backward)"))
+    return facts
+
+
+def _facts(h: Hazard, report: Report | None = None) -> list[tuple[str, str]]:
+    if h.detected == "at_write":
+        return _write_facts(h)
+    facts: list[tuple[str, str]] = []
+    if h.kind != "freed":
+        facts.append(("tensor", h.describe_tensor()))
+    saved = f"{_where(h)}" + _module(h)
+    if h.saved_version is not None:
+        saved += f", at version {h.saved_version}"
+    if h.saved_during:
+        saved += f", during {h.saved_during}"
+    if h.saved_at is not None:
+        facts.append(("saved by", _saved_at(h)))
+    else:
+        facts.append(("saved by", saved))
+    if h.current_version is not None:
+        facts.append(("now at", f"version {h.current_version}"))
+    if h.kind == "freed" and report is not None:
+        facts += _freed_facts(h, report)
+    for i, m in enumerate(h.modified_by):
+        # Strict mode's writes carry their source line: show the code itself; so do
+        # the events of a report that has strict's lines (merged by --replay).
+        exact = (m.kind == "inplace_op" or h.saved_at is not None) and m.writer is None
+        code = f": {m.site.code}" if exact and m.site and m.site.code else ""
+        facts.append(("modified by" if i == 0 else "", f"{m}{code}"))
+    for note in h.notes:
+        facts.append(("note", note))
+    return facts
+
+
+def _also(hazards: list[Hazard]) -> list[tuple[str, int]]:
+    """One line per distinct hazard, with how many times it occurs, in order."""
+    counts: dict[str, int] = {}
+    for other in hazards:
+        what = other.describe_tensor()
+        # A freed slot's tensor is gone: "a tensor" would say nothing.
+        text = f"{other.kind}: {other.where}"
+        if other.kind != "freed" or other.tensor or other.producer:
+            text += f": {what}"
+        if other.saved_version is not None:
+            text += f", saved at version {other.saved_version}, now {other.current_version}"
+        counts[text] = counts.get(text, 0) + 1
+    return list(counts.items())
+
+
+def render_report(report: Report, *, torch_message: bool = True) -> str:
+    """One headline, one fact a line, then the fix; other hazards one line each.
+
+    Args:
+        report: the report.
+        torch_message: end the facts with PyTorch's own error, verbatim, so that
+            what matches PyTorch's words (``pytest.raises(match=...)``, a log
+            search) matches ours; off in a note under PyTorch's own error.
+    """
+    h = report.first
+    if h is None:
+        text = (
+            f"versionwatch: backward is safe: {report.nodes} nodes, "
+            f"{report.saved_checked} saved tensors checked"
+        )
+        if report.unverifiable:
+            text += f", {len(report.unverifiable)} not verifiable ({_unsure_why(report)})"
+        return text
+    lines = [_headline(report, h)]
+    facts = _facts(h, report)
+    if report.backward_site is not None:
+        thread = f" on thread {report.thread}" if report.thread else ""
+        facts.append(("backward at", f"{report.backward_site}{thread}"))
+    if report.replay:
+        facts.append(("replay", report.replay))
+    if report.rank is not None:
+        facts.append(("rank", f"{report.rank[0]} of {report.rank[1]}"))
+    facts.append(("fix", h.fix))
+    # The same kind of write on the other hazards' tensors: fixed the same way,
+    # or the program fails again at the next one.
+    seen = {h.fix}
+    for other in report.hazards[1:]:
+        if other.fix not in seen and rewrite_for(other) is not None:
+            seen.add(other.fix)
+            facts.append(("", f"and {other.fix}"))
+    if torch_message and h.torch_message:
+        facts.append(("pytorch", h.torch_message))
+    width = max(len(k) for k, _ in facts)
+    lines += [f"  {k:<{width}}  {v}" for k, v in facts]
+    if len(report.hazards) > 1:
+        lines.append(f"  also ({len(report.hazards) - 1} more):")
+        others = _also(report.hazards[1:])
+        for text, count in others[:5]:
+            lines.append(f"    {text}" + (f" (x{count})" if count > 1 else ""))
+        if len(others) > 5:
+            lines.append(f"    ... and {sum(c for _, c in others[5:])} more")
+    if report.unverifiable:
+        why = _unsure_why(report)
+        lines.append(
+            f"  note: {len(report.unverifiable)} saved tensors are behind saved_tensors_hooks "
+            "and were not verified" if why == UNSURE_HOOKS
+            else f"  note: {len(report.unverifiable)} not verified ({why})")
+    return "\n".join(lines)
+
+
+def _unsure_why(report: Report) -> str:
+    """Why the unverifiable were not verified: one reason, else each with its count."""
+    counts: dict[str, int] = {}
+    for node, slot in report.unverifiable:
+        why = report.why_unverifiable(node, slot)
+        counts[why] = counts.get(why, 0) + 1
+    if len(counts) == 1:
+        return next(iter(counts))
+    return "; ".join(f"{n} {why}" for why, n in counts.items())
+
+
+register_renderer("text", render_report)

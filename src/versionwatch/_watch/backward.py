@@ -1,0 +1,194 @@
+"""A watched backward: predicted, explained and dispatched before it runs, then run.
+
+``_intercept`` routes every backward call (``Tensor.backward``,
+``torch.autograd.backward``, ``torch.autograd.grad``) to
+:meth:`BackwardEvents._run_backward`. It records the ``backward`` event,
+predicts the backward over the names of every open watcher of the thread,
+has the hazards blamed (``_blame``) and handed to the policy (the watcher's
+``_dispatch``), then calls the backward itself; an error PyTorch raises
+after all is explained as a note.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable
+
+from versionwatch._compat import seq_clock
+from versionwatch._ledger import Ledger
+from versionwatch._predict.api import _GATE
+from versionwatch._predict.arguments import BadCall, rejected
+from versionwatch._report.model import Report, Site
+from versionwatch._strict import mode as _strict
+from versionwatch._watch import blame as _blame
+from versionwatch._watch import inflight as _inflight
+from versionwatch._watch.active import _LOCAL, LOCK
+from versionwatch._watch.protocols import InScope
+
+if TYPE_CHECKING:
+    from versionwatch._repair.repairer import Repairer
+
+__all__ = ["BackwardEvents", "ReplayStop"]
+
+logger = logging.getLogger("versionwatch")
+
+
+class ReplayStop(BaseException):
+    """A replay reached the backward it was to stop at (``versionwatch run --replay``).
+
+    A ``BaseException``: the program's own ``except Exception`` must let it through.
+    """
+
+    def __init__(self, report: Report | None) -> None:
+        super().__init__("versionwatch: replay stopped")
+        self.report = report
+
+
+def _this_thread(silent: dict[int, int], scope: Sequence[InScope]) -> dict[int, int]:
+    """The silent writes whose clock this thread's nodes can be compared with.
+
+    Sequence numbers count per thread: a clock read on the stepping thread
+    says nothing of nodes another thread made (it would call a graph made
+    after the step stale). The backward's thread stands in for the
+    forward's; a write on another thread goes unchecked (see docs/threads.md).
+    """
+    me = threading.get_ident()
+    on: dict[int, int] = {}
+    for w in reversed(scope):
+        on.update(w._silent_on)
+    if all(t == me for t in on.values()):
+        return silent
+    return {k: c for k, c in silent.items() if on.get(k, me) == me}
+
+
+class BackwardEvents:
+    """The backward part of a :class:`~versionwatch.Watcher`, mixed into it.
+
+    What it reads of the watcher is declared below; what it asks of it (the
+    scope, the prediction, blame, the policy) are the watcher's methods.
+    """
+
+    # `versionwatch run --replay`'s strict re-run: the backward number to stop at.
+    replay_at: int | None = None
+    _stepped_aside = False  # set once a torch.func transform ran unwatched
+    # The watcher's, read here.
+    ledger: Ledger
+    names: dict[int, str]
+    _silent: dict[int, int]
+    repairer: Repairer | None
+    strict: bool
+    backward_count: int
+
+    def _scope(self) -> Sequence[InScope]:
+        """This watcher, then the other open watchers of its thread (the watcher's)."""
+        raise NotImplementedError
+
+    def _predict(self, outputs: Any, inputs: Any, api: str, names: dict[int, str],
+                 silent: dict[int, int] | None) -> Report:
+        """The prediction (the watcher's: observers wrap it where it is looked up)."""
+        raise NotImplementedError
+
+    def _explain(self, report: Report, scope: Sequence[InScope] | None = None) -> InScope:
+        """Blame each hazard (the watcher's)."""
+        raise NotImplementedError
+
+    def _dispatch(self, report: Report) -> None:
+        """Hand a report with hazards to the policy (the watcher's)."""
+        raise NotImplementedError
+
+    def _after_error(self, err: RuntimeError, report: Report | None, site: Site | None) -> None:
+        """Explain PyTorch's error after all (the watcher's)."""
+        raise NotImplementedError
+
+    def _run_backward(self, api: str, outputs: Any, inputs: Any, call: Callable[[], Any],
+                      arguments: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
+                      site: Site | None = None) -> Any:
+        """Predict a backward (``api``), explain and dispatch its hazards, then ``call()`` it.
+
+        ``site`` is the user's line of the call, read where it entered.
+        """
+        __tracebackhide__ = True
+        if self.strict:
+            _strict.end_step()  # past any step, even one that raised (or in a closure)
+        with LOCK:  # threads number their backwards from one counter
+            self.backward_count += 1
+            n = self.backward_count
+        frees = _inflight.frees(api, arguments)
+        label = f"backward #{n}"
+        # A freeing backward keeps the clock at its start: a graph it may have
+        # freed is older, and one built since is newer (see _blame.explain_freed).
+        self.ledger.record("backward", label, site,
+                           seq=seq_clock() if frees else None, frees=frees)
+        ended = False
+        scope = self._scope()
+        names, silent = self.names, self._silent
+        if len(scope) > 1:  # nested watchers: name what any of them watches
+            names, silent = {}, {}
+            for w in reversed(scope):
+                names.update(w.names)
+                silent.update(w._silent)
+        if silent:
+            silent = _this_thread(silent, scope)
+        if self.repairer is not None and not frees:
+            self.repairer.retain(outputs, f"backward #{n}", site)
+        flight = _inflight.Flight(self, label, site, frees)
+        _LOCAL.busy = True  # reset in the finally below, whatever raises
+        try:
+            # The prediction's gate, set inline: a generator-based context
+            # manager costs about as much as the rest of this preamble.
+            gate = _GATE.fn
+            _GATE.fn = functools.partial(_inflight.depart, flight)
+            try:
+                report: Report | None = self._predict(outputs, inputs, api, names,
+                                                      silent or None)
+            except (TypeError, ValueError, BadCall):
+                report = None  # PyTorch will say what is wrong with the arguments
+            finally:
+                _GATE.fn = gate
+            if report is not None and not report.ok and arguments is not None \
+                    and rejected(api, *arguments):
+                report = None  # PyTorch rejects the arguments before any saved tensor: its error
+            if report is not None:
+                report.backward_site = site
+                report.backward = n
+                if self.ledger.threaded:
+                    report.thread = threading.current_thread().name
+                if flight.freed_by:
+                    _inflight.name_freer(report, flight)
+                if not report.ok:
+                    if any(h.kind == "freed" for h in report.hazards):
+                        _blame.explain_freed(report, outputs, scope)
+                    self._explain(report, scope)
+                if n == self.replay_at:
+                    raise ReplayStop(report)
+                if not report.ok:
+                    self._dispatch(report)
+            try:
+                return call()
+            except RuntimeError as e:
+                # Record the end first: a write during backward (a hook, a custom
+                # Function) is what the ledger must see to name the tensor.
+                ended = True
+                self._end_backward(n)
+                self._after_error(e, report, site)
+                raise
+        finally:
+            _LOCAL.busy = False
+            _inflight.land(flight)
+            if not ended:
+                self._end_backward(n)
+
+    def _step_aside(self) -> None:
+        """A backward inside a ``torch.func`` transform runs unpredicted: say so once."""
+        if not self._stepped_aside:
+            self._stepped_aside = True
+            logger.debug("versionwatch: backward inside a torch.func transform (grad, vjp, "
+                         "jacrev, hessian, vmap) runs unpredicted: its tensors are functorch "
+                         "wrappers; backwards outside transforms are predicted as usual")
+
+    def _end_backward(self, n: int) -> None:
+        label = f"backward #{n}"
+        self.ledger.end("backward_end", label, "backward", f"during {label}")

@@ -1,0 +1,202 @@
+"""The pytest plugin (entry point ``pytest11``); opt-in.
+
+- ``pytest --versionwatch``: every test runs watched, as under ``versionwatch run``;
+  a predicted hazard fails the test with the explanation.
+- ``pytest --versionwatch-strict``: the same in strict mode.
+- ``@pytest.mark.versionwatch(on_hazard="raise", strict=False, stop_at_write=False)``:
+  watch chosen tests only.
+- the ``versionwatch`` fixture: yields the test's watcher (one is opened if needed).
+- ``pytest --versionwatch-fix``: a test that fails on a hazard (predicted, or PyTorch's
+  own error) gets ``versionwatch fix``'s best verified patch in its report: the
+  test is run again as ``python -m pytest NODEID`` with each patch (docs/fix.md).
+
+This module imports neither torch nor versionwatch at pytest start-up; only a
+test that is watched pays for the import.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Generator
+from typing import Any, NoReturn
+
+import pytest
+
+from versionwatch._watch.policy import POLICIES, env_problem
+
+_KEY = pytest.StashKey[Any]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("versionwatch")
+    group.addoption("--versionwatch", action="store_true", default=False,
+                    help="watch every test: predict and explain inplace-modification errors")
+    group.addoption("--versionwatch-strict", action="store_true", default=False,
+                    help="like --versionwatch, in strict mode (each write to a saved tensor "
+                    "is caught at its line)")
+    group.addoption("--versionwatch-on-hazard", choices=POLICIES,
+                    default="raise", help="what a hazard does under --versionwatch")
+    group.addoption("--versionwatch-fix", action="store_true", default=False,
+                    help="a test that fails on a hazard gets versionwatch fix's best verified "
+                    "patch in its report (the test runs again once per candidate patch)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("versionwatch") or config.getoption("versionwatch_strict"):
+        problem = env_problem()
+        if problem is not None:  # as pytest says a bad --versionwatch-on-hazard
+            raise pytest.UsageError(problem)
+    config.addinivalue_line(
+        "markers",
+        "versionwatch(on_hazard='raise', strict=False, stop_at_write=False): watch this test "
+        "with versionwatch "
+        "(every module and optimizer it uses)",
+    )
+
+
+_MARKER_KEYWORDS = ("on_hazard", "strict", "stop_at_write")
+
+
+def _usage_error(item: pytest.Item, problem: str) -> NoReturn:
+    # An error of this test at setup, in one line: not a traceback through the plugin.
+    pytest.fail(f"{item.nodeid}: {problem}", pytrace=False)
+
+
+def _marker_policy(item: pytest.Item, marker: pytest.Mark,
+                   strict: bool) -> tuple[Any, bool, bool]:
+    """``(on_hazard, strict, stop_at_write)`` from ``@pytest.mark.versionwatch(...)``."""
+    usage = "@pytest.mark.versionwatch(on_hazard='raise', strict=False, stop_at_write=False)"
+    if len(marker.args) > 1:
+        _usage_error(item, f"@pytest.mark.versionwatch takes at most one positional argument "
+                           f"(on_hazard), not {len(marker.args)}: {usage}")
+    unknown = [k for k in marker.kwargs if k not in _MARKER_KEYWORDS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], _MARKER_KEYWORDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        _usage_error(item, f"@pytest.mark.versionwatch got an unexpected keyword argument "
+                           f"{unknown[0]!r}{hint}; it takes: {usage}")
+    if marker.args and "on_hazard" in marker.kwargs:
+        _usage_error(item, "@pytest.mark.versionwatch got on_hazard twice, as its positional "
+                           "argument and as a keyword")
+    policy = marker.kwargs.get("on_hazard", *marker.args or ("raise",))
+    if not callable(policy) and policy not in POLICIES:
+        _usage_error(item, f"@pytest.mark.versionwatch: on_hazard={policy!r} is not a valid "
+                           f"policy; use one of: {', '.join(POLICIES)}, or a callable that "
+                           "takes a Report")
+    flags = []
+    for name, default in (("strict", strict), ("stop_at_write", False)):
+        value = marker.kwargs.get(name, default)
+        if not isinstance(value, bool):  # bool("no") would be True
+            _usage_error(item, f"@pytest.mark.versionwatch: {name}={value!r} is not True or "
+                               "False")
+        flags.append(value)
+    return policy, flags[0], flags[1]
+
+
+def _policy(item: pytest.Item) -> tuple[Any, bool, bool] | None:
+    """``(on_hazard, strict, stop_at_write)`` for a watched test, else ``None``."""
+    config = item.config
+    strict = bool(config.getoption("versionwatch_strict"))
+    marker = item.get_closest_marker("versionwatch")
+    if marker is not None:
+        return _marker_policy(item, marker, strict)
+    if config.getoption("versionwatch") or strict:
+        return str(config.getoption("versionwatch_on_hazard")), strict, False
+    return None
+
+
+def _open(item: pytest.Item, policy: tuple[Any, bool, bool]) -> Any:
+    watcher = item.stash.get(_KEY, None)
+    if watcher is None:
+        problem = env_problem()
+        if problem is not None:
+            _usage_error(item, problem)
+        from versionwatch._watch.auto import watch_all
+
+        watcher = watch_all(on_hazard=policy[0], strict=policy[1], stop_at_write=policy[2])
+        item.stash[_KEY] = watcher
+    return watcher
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    policy = _policy(item)
+    if policy is not None:
+        _open(item, policy)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
+    yield
+    watcher = item.stash.get(_KEY, None)
+    if watcher is not None:
+        watcher.close()
+        del item.stash[_KEY]
+
+
+@pytest.fixture(name="versionwatch")
+def versionwatch_fixture(request: pytest.FixtureRequest) -> Any:
+    """The test's watcher (opened for this test if the test isn't watched already)."""
+    item = request.node
+    return _open(item, _policy(item) or ("raise", False, False))
+
+
+# PyTorch's own sentences for the two failures versionwatch fixes.
+_SENTENCES = ("modified by an inplace operation", "backward through the graph a second time")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None],
+                              ) -> Generator[None, Any, None]:
+    outcome = yield
+    if not item.config.getoption("versionwatch_fix") or call.when != "call" \
+            or call.excinfo is None:
+        return
+    err = call.excinfo.value
+    if not isinstance(err, RuntimeError) or not any(s in str(err) for s in _SENTENCES):
+        return
+    report = outcome.get_result()
+    try:
+        text = _fix_test(item, err)
+    except Exception as e:  # the test's own failure stands; say why there is no patch
+        text = f"versionwatch fix could not run: {type(e).__name__}: {e}"
+    report.sections.append(("versionwatch fix", text))
+
+
+def _fix_test(item: pytest.Item, err: BaseException) -> str:
+    """``versionwatch fix`` on ``python -m pytest NODEID``: the best verified patch, as text."""
+    import os
+
+    from versionwatch._candidates.facts import shown
+    from versionwatch._fix.command import fix
+
+    root = str(item.config.rootpath)
+    program = ["-m", "pytest", item.nodeid, "-q", "-p", "no:cacheprovider",
+               # Test modules imported as they are, not rewritten by pytest from the
+               # original file: each check imports the patched copy.
+               "--assert=plain"]
+    here = os.getcwd()
+    os.chdir(root)
+    try:
+        result = fix(program)
+        lines = []
+        if result.status != "checked":
+            lines.append(f"no patch: the test, run again, gave {result.status.replace('_', ' ')}")
+        elif not result.verified:
+            lines.append("no patch was verified:")
+            lines += [f"  {c.family} at {shown(c.file)}:{c.line}: {c.why}"
+                      for c in result.candidates]
+        else:
+            best = result.verified[0]
+            lines += [f"verified: {best.summary}", f"  {best.why}", best.diff.rstrip("\n")]
+            more = len(result.verified) - 1
+            if more:
+                lines.append(f"({more} more verified: `versionwatch fix -m pytest "
+                             f"{item.nodeid} --assert=plain` shows them)")
+    finally:
+        os.chdir(here)
+    own = getattr(err, "report", None)
+    if own is not None and own.hazards and result.report is not None and result.report.hazards:
+        own.hazards[0].fixes = result.report.hazards[0].fixes  # for whoever reads the error
+    return "\n".join(lines)
