@@ -586,3 +586,28 @@ def test_random_calls_behave_the_same_under_a_watcher():
             api, outputs, kw = _random_call(random.Random(seed))
             watched = _outcome(lambda: _call_as_written(api, outputs, kw))  # noqa: B023
         assert watched == plain, (seed, api, kw)
+
+
+def test_check_observers_are_told_of_each_report_with_the_callers_frame(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The explicit seam that ``versionwatch fix``'s child uses instead of replacing check:
+    told of every report of ``check`` and ``assert_backward_safe``, with the caller's
+    frame, and of none made under ``unobserved()``."""
+    import sys
+
+    from versionwatch._predict import api
+
+    told: list[tuple[bool, str]] = []
+    monkeypatch.setattr(api, "CHECK_OBSERVERS",
+                        [lambda report, frame: told.append((report.ok, frame.f_code.co_name))])
+    x = torch.ones(3, requires_grad=True)
+    y = x.sigmoid()
+    y.mul_(2)
+    here = sys._getframe().f_code.co_name
+    assert not versionwatch.check(y.sum()).ok
+    with pytest.raises(versionwatch.InplaceModificationError):
+        versionwatch.assert_backward_safe(y.sum())
+    with api.unobserved():
+        versionwatch.check(y.sum())
+    assert versionwatch.check(x.sum()).ok
+    assert told == [(False, here), (False, "assert_backward_safe"), (True, here)]

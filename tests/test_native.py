@@ -774,5 +774,7 @@ def test_the_self_test_is_not_seen_by_wrappers_of_check(ext: Any,
 
     fresh.setattr(_predict, "check", wrapper)
     fresh.setattr(versionwatch, "check", wrapper, raising=False)
+    # and the explicit seam the child uses: an observer of check
+    fresh.setattr(_predict, "CHECK_OBSERVERS", [lambda report, frame: seen.append(2)])
     assert _native.native() is not None
     assert seen == []

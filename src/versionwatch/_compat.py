@@ -383,3 +383,11 @@ def seq_clock() -> int:
     fn = probe.grad_fn
     assert fn is not None
     return int(fn._sequence_nr())
+
+
+def jit_builtins() -> dict[int, str]:
+    """TorchScript's table of Python functions it compiles as aten ops, by ``id``."""
+    import torch.jit._builtins as builtins
+
+    table: dict[int, str] = builtins._get_builtin_table()  # type: ignore[no-untyped-call]
+    return table

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from versionwatch._report.model import BACKWARD_SUFFIX
+
 if TYPE_CHECKING:
     import torch
 
@@ -44,7 +46,6 @@ SAVED_RE = re.compile(r"\[(\S+) \[([\d, ]*)\]\]")  # "[torch.FloatTensor [8, 1]]
 """The stale tensor's type name (group 1) and sizes (group 2)."""
 FREED = "backward through the graph a second time"
 """In every error about a graph whose saved tensors backward already freed."""
-BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
 """A node's name past its op's: ``SigmoidBackward0`` is ``Sigmoid``'s node."""
 
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",

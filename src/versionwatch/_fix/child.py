@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -41,7 +40,7 @@ import traceback
 import weakref
 from collections.abc import Sequence
 from types import FrameType, ModuleType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
@@ -49,6 +48,9 @@ from torch import nn
 from versionwatch._compat import is_compiling
 from versionwatch._package import PACKAGE_DIR
 from versionwatch._sites import is_library
+
+if TYPE_CHECKING:
+    from versionwatch._report.model import Report
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OUR_DIR = PACKAGE_DIR
@@ -213,23 +215,15 @@ class Tracker:
         The program asks before its backward (``examples/seed_story.py`` does, and
         catches the error): the backward it asked about is the one that fails,
         whether or not the program goes on to run it. ``assert_backward_safe``
-        calls ``check`` through its module's global, so one wrapper sees both.
+        calls ``check``, so one observer sees both.
         """
-        import versionwatch
-        from versionwatch._predict import api as _predict
+        from versionwatch._predict.api import CHECK_OBSERVERS
 
-        inner = _predict.check
-
-        @functools.wraps(inner)
-        def check(*args: Any, **kwargs: Any) -> Any:
-            report = inner(*args, **kwargs)
+        def observe(report: Report, frame: FrameType) -> None:
             if not report.ok and not getattr(self.local, "depth", 0):
-                self.predicted(report, sys._getframe(1))
-            return report
+                self.predicted(report, frame)
 
-        _predict.check = check
-        versionwatch.check = check  # the lazy attribute, set before the program reads it
-        versionwatch.assert_backward_safe = _predict.assert_backward_safe
+        CHECK_OBSERVERS.append(observe)
 
     def _label(self, opt: torch.optim.Optimizer) -> str:
         label = self.labels.get(id(opt))
@@ -496,10 +490,10 @@ def main(argv: Sequence[str]) -> int:
         sys.path[0] = os.path.dirname(os.path.realpath(program[0]))
     watcher = None
     if spec.get("watch", "default") != "none":
-        import versionwatch
+        from versionwatch._watch.auto import watch_all
 
         os.environ.pop("VERSIONWATCH_ON_HAZARD", None)  # a check raises at every hazard
-        watcher = versionwatch.watch_all(on_hazard="raise", strict=spec.get("watch") == "strict")
+        watcher = watch_all(on_hazard="raise", strict=spec.get("watch") == "strict")
     tracker = Tracker(spec, scratch)
     tracker.install()  # after the watcher's own wrappers: it sees every backward first
     if watcher is not None:

@@ -12,9 +12,12 @@ that backward runs, so a prediction can only disagree with backward about
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import sys
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import FrameType
 from typing import Any, Union
 
 import torch
@@ -133,12 +136,40 @@ def check(
             after_run(call, unreached)
     except BadCall as e:
         raise e.error from None
+    if CHECK_OBSERVERS and not _QUIET.on:
+        frame = sys._getframe(1)
+        for observe in tuple(CHECK_OBSERVERS):
+            observe(report, frame)
     return report
 
 
-# check() itself, for the native helper's self-test: wrappers that a program (or
-# versionwatch fix's child) puts in place of check must not see the self-test's graphs.
-PLAIN_CHECK = check
+# Told of each report that check() (and so assert_backward_safe) hands out, with
+# the caller's frame: the explicit seam for whoever must see a program's own checks
+# (versionwatch fix's child takes a hazard found there for the program's failure),
+# so that nobody replaces check itself.
+CheckObserver = Callable[[Report, FrameType], None]
+CHECK_OBSERVERS: list[CheckObserver] = []
+
+
+class _Quiet(threading.local):
+    on = False
+
+
+_QUIET = _Quiet()
+
+
+@contextlib.contextmanager
+def unobserved() -> Iterator[None]:
+    """Checks made inside are none of the program's: observers are not told of them.
+
+    The native helper's self-test checks graphs of its own, and a watching
+    ``versionwatch fix`` child must not take them for the program's failures.
+    """
+    before, _QUIET.on = _QUIET.on, True
+    try:
+        yield
+    finally:
+        _QUIET.on = before
 
 
 def predict(

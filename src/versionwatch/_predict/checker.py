@@ -45,6 +45,7 @@ from versionwatch._predict.slots import (
     planned,
 )
 from versionwatch._report.model import (
+    BACKWARD_SUFFIX,
     UNSURE_CHECKPOINT,
     UNSURE_CLEARS,
     UNSURE_COPY_SLICES,
@@ -57,7 +58,6 @@ from versionwatch._strict.records import RECORDS as _RECORDS
 from versionwatch._strict.records import SavedRecord, output_of
 from versionwatch._strict.records import unpack as _strict_unpack
 from versionwatch._torch_messages import (
-    BACKWARD_SUFFIX,
     FREED,
     PRODUCER_RE,
     SAVED_RE,

@@ -35,7 +35,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -57,8 +57,8 @@ from versionwatch._sites import user_frame
 from versionwatch._torch_messages import FREED
 
 if TYPE_CHECKING:
+    from versionwatch._ledger import Ledger
     from versionwatch._repair.strict_hits import Hits
-    from versionwatch._watch.protocols import RepairHost
 
 logger = logging.getLogger("versionwatch")
 
@@ -99,6 +99,14 @@ class _Root:
         self.label = label
         self.site = site
         self.refused = False  # over budget: this graph gets no more copies
+
+
+class RepairHost(Protocol):
+    """The watcher a :class:`Repairer` repairs for (declared here: the watcher sits above)."""
+
+    closed: bool
+    ledger: Ledger
+    names: dict[int, str]  # id of each watched tensor -> its qualified name
 
 
 class Repairer:

@@ -8,21 +8,31 @@ within the repairer's budget (:mod:`_repair`).
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from versionwatch._report.model import Repair, Site
 
 if TYPE_CHECKING:
-    from versionwatch._repair.repairer import Repairer
     from versionwatch._strict.mode import SavedRecord
 
     # Tensors a write is about to hit, each with a record that saved its memory.
     Hits = list[tuple[torch.Tensor, SavedRecord]]
 
 
-def strict_hits(repairer: Repairer, names: dict[int, str], label: str, site: Site | None,
+class Copier(Protocol):
+    """The repairer as this module uses it (it calls this module, so it is not imported)."""
+
+    def copy(self, data: torch.Tensor, base: torch.Tensor,
+             copies: dict[tuple[int, int], torch.Tensor]) -> tuple[torch.Tensor, int] | None: ...
+
+    def over_budget(self, what: str, keeper: str) -> None: ...
+
+    def note(self, repair: Repair) -> None: ...
+
+
+def strict_hits(repairer: Copier, names: dict[int, str], label: str, site: Site | None,
                 hits: Hits) -> Hits:
     """Swap each hit record's tensor for a copy; return the hits left to record.
 

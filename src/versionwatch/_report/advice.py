@@ -10,9 +10,8 @@ from __future__ import annotations
 import ast
 import re
 
-from versionwatch._report.model import Hazard, Writer
+from versionwatch._report.model import BACKWARD_SUFFIX, Hazard, Writer
 from versionwatch._report.source_lines import assigned, statement, without_comment, written_variable
-from versionwatch._torch_messages import BACKWARD_SUFFIX
 
 __all__ = ["fix_for", "op_name", "rewrite_for"]
 

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
+from versionwatch._report.model import DOCUMENTS
+
 if TYPE_CHECKING:
     from versionwatch._report.model import Forward, Hazard, Modification, Repair, Report, Site
 
@@ -134,3 +136,6 @@ def report_dict(reports: Sequence[Report], *, timeline: dict[str, Any],
     if rank is not None:
         out["rank"], out["world_size"] = rank
     return out
+
+
+DOCUMENTS.update(hazard=hazard_dict, repair=repair_dict, report=report_dict)

@@ -20,10 +20,17 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
-from versionwatch._report.document import hazard_dict, repair_dict, report_dict
 from versionwatch._report.source_lines import made_variable, written_variable
 
 HazardKind = Literal["inplace", "freed", "silent"]
+
+# A node's name without its "Backward0" ending: the op, as reports name it.
+BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
+
+# The JSON builders, by what each builds ("hazard", "repair", "report"): the
+# document module registers them when it loads, as the renderers do, so that the
+# report never imports what writes it (the folder's __init__ loads them together).
+DOCUMENTS: dict[str, Callable[..., dict[str, Any]]] = {}
 
 # "text" and "dot" -> the function that renders a report so; filled by the renderers.
 RENDERERS: dict[str, Callable[[Report], str]] = {}
@@ -451,7 +458,7 @@ class Hazard:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, as in the ``versionwatch.report/1`` schema."""
-        return hazard_dict(self, self.saved_forward or parse_forward(self.saved_during))
+        return DOCUMENTS["hazard"](self, self.saved_forward or parse_forward(self.saved_during))
 
 
 # PyTorch's sentence on a saved non-leaf: "[torch.FloatTensor [3, 4]], which is output 0 of Add,".
@@ -502,7 +509,7 @@ class Repair:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
-        return repair_dict(self)
+        return DOCUMENTS["repair"](self)
 
 
 # Why a saved tensor (or a node) was not verified: the words of the report.
@@ -592,7 +599,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data, schema ``versionwatch.report/1``."""
         timeline = self.timeline.to_dict() if self.timeline is not None else {}
-        return report_dict([self], timeline=timeline, rank=self.rank)
+        return DOCUMENTS["report"]([self], timeline=timeline, rank=self.rank)
 
     def to_dot(self) -> str:
         """Graphviz DOT: the path from the backward's root to each stale saved tensor.

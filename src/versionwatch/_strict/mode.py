@@ -24,8 +24,6 @@ is the one the rest of versionwatch imports: it re-exports what they use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from versionwatch._runtime import Anchor, Change, Removable, Subscription, remove_all
 from versionwatch._strict import hookstack as _hookstack
 from versionwatch._strict.records import (
@@ -38,14 +36,12 @@ from versionwatch._strict.records import (
 )
 from versionwatch._strict.records import changes as _record_changes
 from versionwatch._strict.thread import THREAD, begin_step, end_step
-from versionwatch._strict.writes import OWNERS, REPAIRERS, on_write
+from versionwatch._strict.writes import OWNERS, REPAIRERS, StrictOwner, StrictRepairer, on_write
 from versionwatch._strict.writes import changes as _write_changes
 
-if TYPE_CHECKING:
-    from versionwatch._watch.protocols import StrictOwner
-
-__all__ = ["ANCHOR", "RECORDS", "THREAD", "SavedRecord", "attach", "begin_step", "end_step",
-           "name_modules", "on_write", "pack", "saved_line", "unpack"]
+__all__ = ["ANCHOR", "RECORDS", "THREAD", "SavedRecord", "StrictOwner", "StrictRepairer",
+           "attach", "begin_step", "end_step", "name_modules", "on_write", "pack", "saved_line",
+           "unpack"]
 
 
 def _changes() -> list[Change]:

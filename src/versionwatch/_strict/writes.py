@@ -23,10 +23,11 @@ import sys
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from versionwatch._compat import jit_builtins
 from versionwatch._report.model import Modification, Site, Writer
 from versionwatch._runtime import Change, Entry, Patch, Registry
 from versionwatch._sites import site_at, user_frames, user_site
@@ -41,11 +42,9 @@ from versionwatch._strict.records import (
     writer_at,
 )
 from versionwatch._strict.thread import THREAD, in_step
-from versionwatch._watch.intercept import jit_builtins
 
 if TYPE_CHECKING:
-    from versionwatch._repair.repairer import Repairer
-    from versionwatch._watch.protocols import StrictOwner
+    from versionwatch._report.model import Hazard
 
 # In-place methods that change metadata only, never memory.
 _METADATA_ONLY = frozenset({
@@ -70,13 +69,37 @@ _LABELS = {
 
 
 _Hits = list[tuple[torch.Tensor, SavedRecord]]
+
+
+# Strict mode calls up into the watcher and its repairer; it declares the faces it
+# needs here, so that nothing below the watcher imports it.
+class StrictRepairer(Protocol):
+    """A repairer as strict mode sees it: it copies what a write is about to hit."""
+
+    @property
+    def names(self) -> dict[int, str]: ...  # id of each watched tensor -> its qualified name
+
+    def repair_write(self, label: str, site: Site | None, hits: _Hits) -> _Hits: ...
+
+
+class StrictOwner(Protocol):
+    """A strict watcher as strict mode sees it."""
+
+    stop_at_write: bool
+
+    @property
+    def repairer(self) -> StrictRepairer | None: ...  # read-only here: a Repairer will do
+
+    def on_strict_write(self, hazards: list[Hazard], records: list[SavedRecord]) -> None: ...
+
+
 # Open strict watchers, oldest first; weakly: one dropped without close() is
 # not kept alive by strict mode.
 OWNERS: Registry[StrictOwner] = Registry("strict watchers", weak=True)
 # ``on_hazard="repair"``: each open strict watcher's repairer, oldest first,
 # weakly. Its ``repair_write`` is called with (label, site, hits) before a
 # write is recorded, and returns the hits it could not repair.
-REPAIRERS: Registry[Repairer] = Registry("strict repairers", weak=True)
+REPAIRERS: Registry[StrictRepairer] = Registry("strict repairers", weak=True)
 # id -> weak reference of tensors handed out by ``.data`` (a WeakSet would
 # compare tensors with ==).
 _DATA_ALIASES: dict[int, weakref.ref[torch.Tensor]] = {}

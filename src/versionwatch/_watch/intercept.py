@@ -24,12 +24,12 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch.jit._builtins as _builtins
 from torch.optim import Optimizer
 
 from versionwatch._compat import (
     dynamo_forget,
     in_graph_trace,
+    jit_builtins,
     set_eval_frame,
     skip_code,
     warm_dynamo,
@@ -180,12 +180,6 @@ def step_post(opt: Optimizer, args: Any, kwargs: Any) -> None:
     found = owner(opt)
     if found is not None:
         found[0]._on_step_post(opt, found[1])
-
-
-def jit_builtins() -> dict[int, str]:
-    """TorchScript's table of Python functions it compiles as aten ops, by ``id``."""
-    table: dict[int, str] = _builtins._get_builtin_table()  # type: ignore[no-untyped-call]
-    return table
 
 
 def _changes() -> list[Change]:

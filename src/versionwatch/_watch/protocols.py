@@ -25,8 +25,7 @@ from torch.optim import Optimizer
 if TYPE_CHECKING:
     from versionwatch._ledger import Ledger
     from versionwatch._repair.repairer import Repairer
-    from versionwatch._report.model import Hazard, Report, Site
-    from versionwatch._strict.mode import SavedRecord
+    from versionwatch._report.model import Report, Site
     from versionwatch._timeline import Timeline
     from versionwatch._watch.optimizers import OptimizerState
 
@@ -81,23 +80,6 @@ class Adopter(Protocol):
     seen: dict[int, weakref.ref[nn.Module]]  # ids of modules adopted or skipped
 
     def _adopt_root(self, module: nn.Module, caller: FrameType | None = None) -> None: ...
-
-
-class StrictOwner(Protocol):
-    """A strict watcher as strict mode sees it (:mod:`_strict`)."""
-
-    stop_at_write: bool
-    repairer: Repairer | None
-
-    def on_strict_write(self, hazards: list[Hazard], records: list[SavedRecord]) -> None: ...
-
-
-class RepairHost(Protocol):
-    """The watcher a :class:`~versionwatch._repair.repairer.Repairer` repairs for."""
-
-    closed: bool
-    ledger: Ledger
-    names: dict[int, str]  # id of each watched tensor -> its qualified name
 
 
 class Blamed(Protocol):
