@@ -19,12 +19,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from versionwatch import _native_state
-from versionwatch._report.model import Hazard, Modification, Site
-
-
-def _bare_label(label: str) -> str:
-    """``label`` without the current thread's name (``" on thread NAME"``)."""
-    return label.removesuffix(f" on thread {threading.current_thread().name}")
+from versionwatch._report.model import ForwardRef, Hazard, Modification, Site
 
 
 class Event(NamedTuple):
@@ -45,6 +40,15 @@ class Event(NamedTuple):
     thread: int = 0  # threading.get_ident() of the thread it happened on
     module: str | None = None  # a forward's root module, by its watched name
     frees: bool = False  # a backward without retain_graph: it frees the graph it runs
+    # ``label``'s pieces: the label as its caller gave it (an end event's is its
+    # start's), and the name of the thread once several threads record events.
+    # ``label`` is their text: "end of backward #2 on thread worker-1".
+    name: str = ""
+    thread_name: str | None = None
+
+    def forward_ref(self) -> ForwardRef:
+        """This event (a forward's) as a hazard names the forward that saved it."""
+        return ForwardRef(self.name, self.site, self.thread_name)
 
 
 class Transition(NamedTuple):
@@ -93,24 +97,38 @@ def read_versions(refs: list[weakref.ref[torch.Tensor]]) -> list[int] | None:
         return None
 
 
-# (keys, refs, tracked, their versions at the last scan, that scan's snapshot,
-# and the native VersionSet of refs whose baseline is those versions, or None).
-_Layout = tuple[
-    list[int], list["weakref.ref[torch.Tensor]"], list[Tracked], list[int], dict[int, int],
-    Any,
-]
+class Layout(NamedTuple):
+    """The watched tensors in ``tracked`` order, as of the last scan: the ledger's fast path.
 
-
-def moved(layout: _Layout) -> bool:
-    """Whether a version moved since ``layout``'s scan (or a watched tensor died).
-
-    ``read_versions(layout[1]) != layout[3]``, natively where the helper is
-    loaded: a layout's VersionSet keeps the baseline it was made with.
+    Replaced, never changed: read without the lock. A named tuple, made with
+    ``tuple.__new__``: a training step that moves versions makes one.
     """
-    vs = layout[5]
-    if vs is not None:
-        return vs.changed() is not False
-    return read_versions(layout[1]) != layout[3]
+
+    keys: list[int]
+    refs: list[weakref.ref[torch.Tensor]]
+    tracked: list[Tracked]
+    versions: list[int]  # at the scan
+    snapshot: dict[int, int]  # the scan's versions, by key
+    native: Any  # a VersionSet of refs whose baseline is ``versions``, or None
+
+    def unchanged_since(self, before: list[int] | None = None) -> list[int] | None:
+        """The versions now if none moved since ``before`` (by default, the scan's); else None.
+
+        None too after a watched tensor died. Against the scan, natively where
+        the helper is loaded (no version list is read): then ``versions`` itself.
+        """
+        if before is None or before is self.versions:
+            vs = self.native
+            if vs is not None:
+                return self.versions if vs.changed() is False else None
+            before = self.versions
+        now = read_versions(self.refs)
+        return now if now == before else None
+
+
+def moved(layout: Layout) -> bool:
+    """Whether a version moved since ``layout``'s scan (or a watched tensor died)."""
+    return layout.unchanged_since() is None
 
 
 def _version_set(refs: list[weakref.ref[torch.Tensor]], now: list[int]) -> Any:
@@ -189,7 +207,7 @@ class LedgerQueries:
             chosen = next((ev for ev in reversed(forwards) if ev.index >= began
                            and (left is None or ev.index < left)), None)
         if chosen is not None:
-            h.saved_during = chosen.label + (f" at {chosen.site}" if chosen.site else "")
+            h.saved_during_forward(chosen.forward_ref())
 
     @_locked
     def place_forward(self, h: Hazard) -> bool:
@@ -210,12 +228,12 @@ class LedgerQueries:
         for ev in self.events:
             if ev.thread != me or ev.seq is None:
                 continue
-            # By the label without the thread's name: a second thread that started
-            # during this forward named its end, not its start.
+            # By the name, not the label: a second thread that started during
+            # this forward named its thread in the end's label, not the start's.
             if ev.kind == "forward":
-                starts[_bare_label(ev.label)] = ev
+                starts[ev.name] = ev
             elif ev.kind == "forward_end":
-                start = starts.pop(_bare_label(ev.label[len("end of "):]), None)
+                start = starts.pop(ev.name, None)
                 if start is not None and start.seq is not None \
                         and start.seq < seq <= ev.seq \
                         and (best is None or ev.seq - start.seq < best[0]):
@@ -226,7 +244,7 @@ class LedgerQueries:
         if h.module is None:
             h.module = start.module
         if h.saved_during is None:
-            h.saved_during = start.label + (f" at {start.site}" if start.site else "")
+            h.saved_during_forward(start.forward_ref())
         return True
 
     @_locked
@@ -259,9 +277,8 @@ class Ledger(LedgerQueries):
         self.versions: deque[dict[int, int]] = deque(maxlen=max_events)
         self.max_history = max_history
         self.count = 0
-        # The fast path of _scan: (keys, refs, tracked, last versions, last
-        # snapshot) in ``tracked`` order; None after ``tracked`` changed.
-        self._layout: _Layout | None = None
+        # The fast path of _scan; None after ``tracked`` changed.
+        self._layout: Layout | None = None
         self._lock = threading.RLock()
         # Keys of the tensors that an optimizer step in progress (on any
         # thread) may update, with that step: another thread's event that
@@ -322,9 +339,9 @@ class Ledger(LedgerQueries):
         if self.versions and self.events:
             prev = self.versions[-1]
             if versions is not prev and versions != prev:
-                self.events.append(Event(self.count, "between",
-                                         f"(between {self.events[-1].label} and {upcoming})",
-                                         thread=threading.get_ident()))
+                text = f"(between {self.events[-1].label} and {upcoming})"
+                self.events.append(Event(self.count, "between", text,
+                                         thread=threading.get_ident(), name=text))
                 self.versions.append(versions)
 
     def record(
@@ -343,9 +360,10 @@ class Ledger(LedgerQueries):
 
         Once events come from more than one thread, ``label`` and ``cause``
         name the thread they happen on. ``unchanged``: the caller saw (with
-        :meth:`_layout`'s versions) that no version moved between the last event and this
+        :class:`Layout`'s versions) that no version moved between the last event and this
         one, and versions have moved since; the event gets the last event's.
         """
+        name, thread_name = label, None
         me = threading.get_ident()
         with self._lock:  # inline, not @_locked: six of these a training step
             self.count += 1
@@ -363,35 +381,38 @@ class Ledger(LedgerQueries):
                     and self._first_alive() is not threading.current_thread():
                 self.threaded = True
             if self.threaded:
-                label = self.on_thread(label)
+                thread_name = threading.current_thread().name
+                label = f"{name} on thread {thread_name}"
                 if cause is not None:
-                    cause = replace(cause, description=self.on_thread(cause.description))
+                    cause = replace(cause, description=f"{cause.description} on thread "
+                                                       f"{thread_name}")
             if kind.endswith("_end"):
                 # "end of backward #2", placed at the line that started it. A second
                 # thread may have started between the two: the start's label may
-                # lack the thread's name that this one has.
+                # lack the thread's name that this one has; its name does not.
                 if self.threaded:
-                    bare = _bare_label(label)
                     start = next((e for e in reversed(self.events)
-                                  if e.thread == me and _bare_label(e.label) == bare), None)
+                                  if e.thread == me and e.name == name and e.kind != kind),
+                                 None)
                 elif self.events and self.events[-1].label == label:
                     start = self.events[-1]  # the usual case: the start just before
                 else:
                     start = next((e for e in reversed(self.events) if e.label == label), None)
                 label, site = f"end of {label}", site or (start.site if start else None)
-            event = _tuple_new(Event, (self.count, kind, label, site, seq, me, module, frees))
+            event = _tuple_new(Event, (self.count, kind, label, site, seq, me, module, frees,
+                                       name, thread_name))
             layout = self._layout
             if layout is not None:
                 # _scan's fast path inline, for the usual event that moved nothing
                 # (a watched tensor that died gives None: _scan drops it).
-                vs = layout[5]
+                vs = layout.native
                 now: list[int] | None
                 if unchanged or (vs is not None and vs.changed() is False):
-                    now = layout[3]
+                    now = layout.versions
                 else:
-                    now = read_versions(layout[1])
-                if now == layout[3]:
-                    versions = layout[4]
+                    now = read_versions(layout.refs)
+                if now == layout.versions:
+                    versions = layout.snapshot
                     if (cause is None and not unchanged and self.versions
                             and versions is not self.versions[-1]):
                         self._between_row(versions, label)
@@ -418,7 +439,8 @@ class Ledger(LedgerQueries):
         """
         with self._lock:
             layout = self._layout
-            if layout is not None and not self.threaded and not moved(layout):
+            if layout is not None and not self.threaded \
+                    and layout.unchanged_since() is not None:
                 return self.record(kind, label, seq=seq, unchanged=True)
             return self.record(kind, label, None, cause=Modification(cause_kind, cause_text),
                                seq=seq)
@@ -457,7 +479,8 @@ class Ledger(LedgerQueries):
                         tr.history.append(_tuple_new(Transition, (old, v, count, m, note)))
                         tr.last = v
                 snapshot = dict(zip(keys, now))
-                self._layout = (keys, refs, trs, now, snapshot, _version_set(refs, now))
+                self._layout = _tuple_new(Layout, (keys, refs, trs, now, snapshot,
+                                                   _version_set(refs, now)))
                 return snapshot
         versions: dict[int, int] = {}
         dead = []
@@ -482,7 +505,8 @@ class Ledger(LedgerQueries):
         trs = list(self.tracked.values())
         refs = [tr.ref for tr in trs]
         last = [tr.last for tr in trs]
-        self._layout = (list(self.tracked), refs, trs, last, versions, _version_set(refs, last))
+        self._layout = _tuple_new(Layout, (list(self.tracked), refs, trs, last, versions,
+                                           _version_set(refs, last)))
         return versions
 
     def _between(self, upcoming: str, site: Site | None) -> Modification:

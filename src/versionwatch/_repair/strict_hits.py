@@ -84,7 +84,7 @@ def strict_hits(repairer: Copier, names: dict[int, str], label: str, site: Site 
 
 
 def _forward_of(rec: SavedRecord) -> str:
-    return rec.forward.split(" at ")[0] if rec.forward else "code outside watched forwards"
+    return rec.forward.named if rec.forward is not None else "code outside watched forwards"
 
 
 # Records whose tensor is a copy already, and those the budget refused.

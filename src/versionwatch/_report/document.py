@@ -73,7 +73,7 @@ def hazard_dict(h: Hazard, forward: Forward | None) -> dict[str, Any]:
     d["freed_by"] = None if f is None else {
         "description": f.description, "file": f.site.file if f.site else None,
         "line": f.site.line if f.site else None}
-    del d["node"], d["key"], d["seq"]
+    del d["node"], d["key"], d["seq"], d["saved_in"]
     d["modified_by"] = [_modification(m) for m in h.modified_by]
     c = h.carrier
     d["carrier"] = None if c is None else {

@@ -194,12 +194,40 @@ class Forward:
         return f"{self.label} at {self.site}" if self.site is not None else self.label
 
 
+class ForwardRef:
+    """The watched forward a tensor was saved in, in pieces: ``saved_during``'s source.
+
+    ``label`` as its watcher named it (``"block.forward #1"``), ``site`` the user's
+    line that called it, ``thread`` the name of the thread it ran on once several
+    threads record events (else None). Made where the forward is recorded; its
+    text (``"block.forward #1 on thread w at prog.py:24"``) only where it is shown.
+    """
+
+    __slots__ = ("label", "site", "thread")
+
+    def __init__(self, label: str, site: Site | None, thread: str | None) -> None:
+        self.label = label
+        self.site = site
+        self.thread = thread
+
+    @property
+    def named(self) -> str:
+        """The label and, once threads record events, the thread: ``"forward #1 on thread w"``."""
+        return self.label if self.thread is None else f"{self.label} on thread {self.thread}"
+
+    def __str__(self) -> str:
+        return f"{self.named} at {self.site}" if self.site is not None else self.named
+
+
 # "block.forward #1 at prog.py:24" (a label ends with its number, maybe a thread).
 _FORWARD_TEXT = re.compile(r"^(?P<label>.*?#\d+(?: on thread .*?)?) at (?P<file>.+):(?P<line>\d+)$")
 
 
 def parse_forward(text: str | None) -> Forward | None:
     """The forward of a ``saved_during`` text, ``"m.forward #2 at train.py:12"``.
+
+    For JSON's ``saved_forward`` of a hazard whose field is unset (one built by
+    hand holds the text alone).
 
     >>> f = parse_forward("m.forward #2 at train.py:12")
     >>> f.label, f.site.file, f.site.line
@@ -358,6 +386,8 @@ class Hazard:
             module's ``forward``, when known.
         fixes: patches of the user's lines for this hazard (:class:`Fix`),
             verified ones first; filled by ``versionwatch fix``, empty otherwise.
+        saved_in: ``saved_during`` in pieces (:class:`ForwardRef`), where a
+            watcher or strict mode set it; internal.
         key: ``id()`` of the named tensor (the base, for a view); internal.
         seq: the saving node's autograd sequence number; internal.
     """
@@ -393,8 +423,14 @@ class Hazard:
     between: Between | None = None
     compiled_forward: Site | None = None
     fixes: list[Fix] = field(default_factory=list, compare=False)
+    saved_in: ForwardRef | None = field(default=None, repr=False, compare=False)
     key: int | None = field(default=None, repr=False, compare=False)
     seq: int | None = field(default=None, repr=False, compare=False)
+
+    def saved_during_forward(self, forward: ForwardRef) -> None:
+        """Set ``saved_during`` (its text) and ``saved_in`` (its pieces) to ``forward``."""
+        self.saved_in = forward
+        self.saved_during = str(forward)
 
     @property
     def where(self) -> str:

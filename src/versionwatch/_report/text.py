@@ -95,10 +95,12 @@ def _saved_at(h: Hazard, by: bool = True) -> str:
     context = []
     if h.module:
         context.append(_module(h)[1:])
-    if h.saved_during:
+    forward = h.saved_in
+    if forward is not None and forward.site is not None:
         # The forward's own site is the call, the op's line is above: say which is which.
-        label, sep, where = h.saved_during.rpartition(" at ")
-        context.append(f"during {label} called at {where}" if sep else f"during {where}")
+        context.append(f"during {forward.named} called at {forward.site}")
+    elif h.saved_during:
+        context.append(f"during {h.saved_during}")
     if h.saved_version is not None:
         context.append(f"at version {h.saved_version}")
     return text + (f" ({', '.join(context)})" if context else "")

@@ -25,7 +25,7 @@ from versionwatch._built import built_at
 from versionwatch._compat import PEEK as _PEEK
 from versionwatch._compat import HookedSaved, allow_in_peek, peek, sequence_nr, storage_address
 from versionwatch._report.model import BACKWARD_SUFFIX as _BACKWARD_SUFFIX
-from versionwatch._report.model import Hazard, Modification, Site, Writer
+from versionwatch._report.model import ForwardRef, Hazard, Modification, Site, Writer
 from versionwatch._runtime import Call, Change, Patch, add_probe
 from versionwatch._sites import _is_library, is_library, site_at
 from versionwatch._strict import hookstack as _hookstack
@@ -46,7 +46,7 @@ class SavedRecord:
                  "original", "requires_grad", "tensor", "version", "writes", "written_fn")
     written_fn: tuple[str, int]  # (grad_fn name, output_nr) after the last write that hit it
 
-    def __init__(self, t: torch.Tensor, module: str | None, forward: str | None,
+    def __init__(self, t: torch.Tensor, module: str | None, forward: ForwardRef | None,
                  code: CodeType | None = None, line: int = 0) -> None:
         # A leaf is kept as is, so that `p.data = t` reaches backward as it does
         # unwatched; anything else as a detached alias (same storage and version
@@ -115,7 +115,8 @@ class SavedRecord:
                       dtype=str(t.dtype).replace("torch.", ""), device=str(t.device),
                       requires_grad=self.requires_grad, saved_output=output, module=self.module,
                       producer=_BACKWARD_SUFFIX.sub("", node) if output else None,
-                      saved_during=self.forward,
+                      saved_during=str(self.forward) if self.forward is not None else None,
+                      saved_in=self.forward,
                       saved_at=(site_at(self.code.co_filename, self.line)
                                 if self.code is not None else None),
                       modified_by=list(self.writes if modified_by is None else modified_by),
@@ -251,7 +252,7 @@ def _custom_output(rec: SavedRecord, t: torch.Tensor) -> None:
 _LINES_KEPT = 4096
 
 
-def saved_line(seq: int) -> tuple[Site, str | None] | None:
+def saved_line(seq: int) -> tuple[Site, ForwardRef | None] | None:
     """Where this thread's node ``seq`` saved a tensor, and in which forward, if recorded."""
     found = None
     for lines in (THREAD.lines, THREAD.lines_old):

@@ -12,6 +12,8 @@ import threading
 from types import CodeType, FrameType
 from typing import Any
 
+from versionwatch._report.model import ForwardRef
+
 
 class _Thread(threading.local):
     """Per-thread strict state; class attributes are the defaults."""
@@ -20,15 +22,16 @@ class _Thread(threading.local):
     step: str | None = None  # label of the optimizer step running, if any
     step_checked = False  # that step's writes were checked as a whole, up front
     step_frame: tuple[int, Any] | None = None  # id and code of the frame running the step
-    forward: str | None = None  # label of the root forward running, if any
+    forward: ForwardRef | None = None  # the root forward running, if any
     # Per running module call, innermost last: [its name, the user's frame above
     # it once a pack inside it has looked (``_UNSEEN`` until then)]. Those frames
     # are on the stack anyway, and each entry goes when its call returns.
     modules: list[list[Any]] | None = None
     # (node's sequence number) -> (code, line, forward) of what this thread saved
     # for that node, newest last: a freed graph's saving lines (see saved_line).
-    lines: dict[int, tuple[CodeType, int, str | None]] | None = None
-    lines_old: dict[int, tuple[CodeType, int, str | None]] | None = None  # the previous window
+    lines: dict[int, tuple[CodeType, int, ForwardRef | None]] | None = None
+    # The previous window.
+    lines_old: dict[int, tuple[CodeType, int, ForwardRef | None]] | None = None
 
 
 THREAD = _Thread()

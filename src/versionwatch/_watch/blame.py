@@ -117,7 +117,8 @@ def explain_freed(report: Report, outputs: Any, scope: Sequence[Blamed]) -> None
             line = _strict.saved_line(h.seq)
             if line is not None:
                 h.saved_at = line[0]
-                h.saved_during = h.saved_during or line[1]
+                if h.saved_during is None and line[1] is not None:
+                    h.saved_during_forward(line[1])
         found = next(((s, ev) for s in scope if (ev := s.ledger.freer(h.seq)) is not None),
                      None)
         if found is None:

@@ -118,9 +118,9 @@ def _forward_ranges(events: Iterable[Event]) -> list[tuple[Event, int]]:
         if ev.seq is None:
             continue
         if ev.kind == "forward":
-            starts[ev.label] = ev
+            starts[ev.name] = ev
         elif ev.kind == "forward_end":
-            start = starts.pop(ev.label[len("end of "):], None)
+            start = starts.pop(ev.name, None)
             if start is not None and start.seq is not None:
                 out.append((start, ev.seq))
     return out

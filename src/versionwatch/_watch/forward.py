@@ -32,7 +32,6 @@ from torch import nn
 
 from versionwatch._compat import COMPILER_FLAG_OWNER, is_compiling, is_tracing
 from versionwatch._functorch import functorch_level
-from versionwatch._ledger import moved
 from versionwatch._runtime import Anchor, Change, Patch, Registry, Subscription, anchor
 
 if TYPE_CHECKING:
@@ -255,10 +254,9 @@ def _call(target: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
             # it tells).
             layout = w.ledger._layout
             if layout is not None:
-                last = layout[3]
-                # moved() if a watched tensor died: the full path drops it.
-                if not moved(layout):
-                    before = last  # equal lists: the token compares by value
+                # None if a watched tensor died: the full path drops it.
+                before = layout.unchanged_since()
+                if before is not None:
                     n = w.forwards[name] = next(w.counters[name])
                     try:
                         result = call_impl(*args, **kwargs)
@@ -266,7 +264,7 @@ def _call(target: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
                         # A layout replaced meanwhile (a module adopted inside this
                         # forward) tracks more: the full path reads it.
                         if not w.closed and (w.ledger._layout is not layout
-                                              or moved(layout)):
+                                              or layout.unchanged_since() is None):
                             w._on_forward(name, False, (n, before))
                     if w.repairer is not None and name in w.forwards:
                         w.repairer.outputs(result, w.forward_label(name, w.forwards[name]))

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from versionwatch._compat import seq_clock
-from versionwatch._ledger import Ledger, read_versions
+from versionwatch._ledger import Ledger
 from versionwatch._naming import module_tensors
 from versionwatch._report.model import Modification
 from versionwatch._sites import user_site
@@ -89,8 +89,8 @@ class ForwardEvents:
                 # changed): the hot path of an acting loop.
                 layout = self.ledger._layout
                 if layout is not None:
-                    before = read_versions(layout[1])
-                    if before is not None and before == layout[3]:
+                    before = layout.unchanged_since()
+                    if before is not None:
                         return n, before
                 seq = None
             else:
@@ -98,8 +98,7 @@ class ForwardEvents:
             event = self.ledger.record("forward", self.forward_label(root, n), user_site(),
                                        seq=seq, module=root)
             if self.strict:
-                _strict.THREAD.forward = (
-                    f"{event.label} at {event.site}" if event.site else event.label)
+                _strict.THREAD.forward = event.forward_ref()
             return n, None
         assert token is not None
         n, before = token
@@ -109,7 +108,7 @@ class ForwardEvents:
                 self._track(root, module)
         if before is not None:
             layout = self.ledger._layout  # as at the start: did anything move?
-            if layout is not None and read_versions(layout[1]) == before:
+            if layout is not None and layout.unchanged_since(before) is not None:
                 return None  # nothing moved: as if the forward never ran, for the ledger
         label = self.forward_label(root, n)
         if before is not None:
