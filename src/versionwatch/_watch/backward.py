@@ -72,9 +72,7 @@ class BackwardHost(Protocol):
     an observer sees every prediction through ``_predict``.
     """
 
-    def _scope(self) -> Sequence[InScope]:
-        """The watcher, then the other open watchers of its thread, innermost first."""
-        ...
+    def _scope(self) -> Sequence[InScope]: ...  # it, then its thread's other open watchers
 
     def _predict(self, outputs: Any, inputs: Any, api: str, names: dict[int, str],
                  silent: dict[int, int] | None) -> Report: ...

@@ -266,7 +266,7 @@ class OptimizerTracker:
 
     # -- events --------------------------------------------------------------------------
     def on_zero_grad(self, opt: Optimizer, set_to_none: bool,
-                      state: OptimizerState | None = None, site: Site | None = None) -> None:
+                     state: OptimizerState | None = None, site: Site | None = None) -> None:
         """``state``: ``self.find(opt)``, and ``site`` the user's line, when known."""
         if self.strict:
             _strict.end_step()  # past any step, even one that raised
@@ -276,7 +276,7 @@ class OptimizerTracker:
             return
         if set_to_none:  # every .grad is None now
             # Until some zero_grad keeps grads, every mark is None or _NO_GRAD,
-            # and both mean the same to _on_step_pre: nothing to update.
+            # and both mean the same to on_step_pre: nothing to update.
             for tr in self._watched(opt, state, need=False)[1] if self.kept_grads else ():
                 if tr is not None:
                     tr.grad_mark = _NO_GRAD
@@ -293,7 +293,7 @@ class OptimizerTracker:
         self.ledger.record("zero_grad", label, site if site is not None else user_site())
 
     def on_step_pre(self, opt: Optimizer, state: OptimizerState | None = None,
-                     caller: FrameType | None = None) -> None:
+                    caller: FrameType | None = None) -> None:
         """``state``: ``self.find(opt)``, when known; ``caller``: the frame running the step.
 
         That frame is the one that calls the pre-hooks (under ``Optimizer.step``).
