@@ -6,7 +6,7 @@ times versionwatch's own code from inside the step: it wraps the watcher's
 entry points and the predictor's phases with ``time.perf_counter`` and reports
 the mean microseconds per step of each, next to the unwatched step time.
 
-It patches private functions (``versionwatch._watch.watcher``, ``_forward_events``, ``_backward``, ``_optimizers``,
+It patches private functions (``versionwatch._watch.watcher``, ``_optimizers``,
 ``_predict``, ``_checker``, ``_graph``, ``_ledger``, ``_sites``), so it follows the code, not
 the API: update it when they move (the tables below).
 What it cannot see: the Python-level hook dispatch (nn.Module's hook path, the
@@ -54,8 +54,6 @@ from versionwatch._predict import api as _predict
 from versionwatch._predict import checker as _checker
 from versionwatch._predict import graph as _graph
 from versionwatch._report import model as _report
-from versionwatch._watch import backward as _backward
-from versionwatch._watch import forward_events as _forward_events
 from versionwatch._watch import intercept as _intercept
 from versionwatch._watch import optimizers as _optimizers
 from versionwatch._watch import watcher as _watch
@@ -107,10 +105,10 @@ def _run_backward(original: Callable[..., Any]) -> Callable[..., Any]:
 _SITE_OWNERS = (_sites, _intercept, _optimizers)
 # (owner, attribute, label); the first group is disjoint and sums to the self time.
 TOP = [
-    (_forward_events.ForwardEvents, "_on_forward", "forward hooks (2 events)"),
-    (_optimizers.OptimizerEvents, "_on_zero_grad", "zero_grad event"),
-    (_optimizers.OptimizerEvents, "_on_step_pre", "step pre-hook (sync)"),
-    (_optimizers.OptimizerEvents, "_on_step_post", "step post-hook (event)"),
+    (_watch.Watcher, "_on_forward", "forward hooks (2 events)"),
+    (_watch.Watcher, "_on_zero_grad", "zero_grad event"),
+    (_watch.Watcher, "_on_step_pre", "step pre-hook (sync)"),
+    (_watch.Watcher, "_on_step_post", "step post-hook (event)"),
     (_graph._Lease, "dead", "lease release (deep graphs only)"),
 ]
 INNER = [
@@ -131,9 +129,9 @@ def install() -> Callable[[], None]:
         original = owner.__dict__[attr]
         saved.append((owner, attr, original))
         setattr(owner, attr, _timed(label, original))
-    original = _backward.BackwardEvents.__dict__["_run_backward"]
-    saved.append((_backward.BackwardEvents, "_run_backward", original))
-    _backward.BackwardEvents._run_backward = _run_backward(original)  # type: ignore[method-assign]
+    original = _watch.Watcher.__dict__["_run_backward"]
+    saved.append((_watch.Watcher, "_run_backward", original))
+    _watch.Watcher._run_backward = _run_backward(original)  # type: ignore[method-assign]
 
     def uninstall() -> None:
         for owner, attr, original in saved:

@@ -37,6 +37,8 @@ class AutoWatcher(Watcher):
     """
 
     lends_roots = True
+    # Roots appear one by one here, so labels always carry the root's name.
+    root_in_labels = True
 
     def __init__(self, on_hazard: Policy = "raise", strict: bool = False,
                  stop_at_write: bool = False, repair_budget: int | None = None) -> None:
@@ -53,10 +55,6 @@ class AutoWatcher(Watcher):
         # (rank, world_size) when a root was adopted in a process group: the
         # group may be gone by the time ``versionwatch run`` names its files.
         self.rank_seen: tuple[int, int] | None = None
-
-    def forward_label(self, root: str, n: int) -> str:
-        # Roots appear one by one here, so labels always carry the root's name.
-        return f"{root}.forward #{n}"
 
     def _adopt_root(self, module: nn.Module, caller: FrameType | None = None) -> None:
         """Watch ``module``, a root seen running: named as in ``caller`` (its caller's frame)."""

@@ -2,11 +2,11 @@
 
 ``_intercept`` routes every backward call (``Tensor.backward``,
 ``torch.autograd.backward``, ``torch.autograd.grad``) to
-:meth:`BackwardEvents._run_backward`. It records the ``backward`` event,
-predicts the backward over the names of every open watcher of the thread,
-has the hazards blamed (``_blame``) and handed to the policy (the watcher's
-``_dispatch``), then calls the backward itself; an error PyTorch raises
-after all is explained as a note.
+the watcher's ``_run_backward``, which hands it to :meth:`BackwardPipeline.run`.
+That records the ``backward`` event, predicts the backward over the names of
+every open watcher of the thread, has the hazards blamed (``_blame``) and
+handed to the policy (the watcher's ``_dispatch``), then calls the backward
+itself; an error PyTorch raises after all is explained as a note.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import functools
 import logging
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from versionwatch._compat import seq_clock
 from versionwatch._ledger import Ledger
@@ -31,7 +31,7 @@ from versionwatch._watch.protocols import InScope
 if TYPE_CHECKING:
     from versionwatch._repair.repairer import Repairer
 
-__all__ = ["BackwardEvents", "ReplayStop"]
+__all__ = ["BackwardPipeline", "ReplayStop"]
 
 logger = logging.getLogger("versionwatch")
 
@@ -64,48 +64,53 @@ def _this_thread(silent: dict[int, int], scope: Sequence[InScope]) -> dict[int, 
     return {k: c for k, c in silent.items() if on.get(k, me) == me}
 
 
-class BackwardEvents:
-    """The backward part of a :class:`~versionwatch.Watcher`, mixed into it.
+class BackwardHost(Protocol):
+    """What a :class:`BackwardPipeline` asks of its watcher, at each backward.
 
-    What it reads of the watcher is declared below; what it asks of it (the
-    scope, the prediction, blame, the policy) are the watcher's methods.
+    Looked up on the watcher then, not bound once: the peer harness wraps
+    ``_explain``, ``_dispatch`` and ``_after_error`` on the class by name, and
+    an observer sees every prediction through ``_predict``.
     """
 
-    # `versionwatch run --replay`'s strict re-run: the backward number to stop at.
-    replay_at: int | None = None
-    _stepped_aside = False  # set once a torch.func transform ran unwatched
-    # The watcher's, read here.
-    ledger: Ledger
-    names: dict[int, str]
-    _silent: dict[int, int]
-    repairer: Repairer | None
-    strict: bool
-    backward_count: int
-
-    def _scope(self) -> Sequence[InScope]:
-        """This watcher, then the other open watchers of its thread (the watcher's)."""
-        raise NotImplementedError
+    def _scope(self) -> Sequence[InScope]: ...  # it, then its thread's other open watchers
 
     def _predict(self, outputs: Any, inputs: Any, api: str, names: dict[int, str],
-                 silent: dict[int, int] | None) -> Report:
-        """The prediction (the watcher's: observers wrap it where it is looked up)."""
-        raise NotImplementedError
+                 silent: dict[int, int] | None) -> Report: ...
 
-    def _explain(self, report: Report, scope: Sequence[InScope] | None = None) -> InScope:
-        """Blame each hazard (the watcher's)."""
-        raise NotImplementedError
+    def _explain(self, report: Report, scope: Sequence[InScope] | None = None) -> InScope: ...
 
-    def _dispatch(self, report: Report) -> None:
-        """Hand a report with hazards to the policy (the watcher's)."""
-        raise NotImplementedError
+    def _dispatch(self, report: Report) -> None: ...
 
-    def _after_error(self, err: RuntimeError, report: Report | None, site: Site | None) -> None:
-        """Explain PyTorch's error after all (the watcher's)."""
-        raise NotImplementedError
+    def _after_error(self, err: RuntimeError, report: Report | None,
+                     site: Site | None) -> None: ...
 
-    def _run_backward(self, api: str, outputs: Any, inputs: Any, call: Callable[[], Any],
-                      arguments: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
-                      site: Site | None = None) -> Any:
+
+class BackwardPipeline:
+    """A watcher's backwards: their numbers, and each one's prediction before it runs.
+
+    Held by the :class:`~versionwatch.Watcher`, whose ``_run_backward`` calls
+    :meth:`run` with itself as the host; it shares the watcher's names,
+    ledger and silent writes, and holds no reference to the watcher.
+    """
+
+    __slots__ = ("count", "ledger", "names", "repairer", "replay_at", "silent", "stepped_aside",
+                 "strict")
+
+    def __init__(self, names: dict[int, str], ledger: Ledger, silent: dict[int, int],
+                 strict: bool, repairer: Repairer | None) -> None:
+        self.names = names
+        self.ledger = ledger
+        self.silent = silent  # param id -> the sequence clock after a fused step
+        self.strict = strict
+        self.repairer = repairer
+        self.count = 0  # the backwards watched so far
+        # `versionwatch run --replay`'s strict re-run: the backward number to stop at.
+        self.replay_at: int | None = None
+        self.stepped_aside = False  # set once a torch.func transform ran unwatched
+
+    def run(self, host: BackwardHost, api: str, outputs: Any, inputs: Any,
+            call: Callable[[], Any], arguments: tuple[tuple[Any, ...], dict[str, Any]] | None,
+            site: Site | None) -> Any:
         """Predict a backward (``api``), explain and dispatch its hazards, then ``call()`` it.
 
         ``site`` is the user's line of the call, read where it entered.
@@ -114,8 +119,8 @@ class BackwardEvents:
         if self.strict:
             _strict.end_step()  # past any step, even one that raised (or in a closure)
         with LOCK:  # threads number their backwards from one counter
-            self.backward_count += 1
-            n = self.backward_count
+            self.count += 1
+            n = self.count
         frees = _inflight.frees(api, arguments)
         label = f"backward #{n}"
         # A freeing backward keeps the clock at its start: a graph it may have
@@ -123,8 +128,8 @@ class BackwardEvents:
         self.ledger.record("backward", label, site,
                            seq=seq_clock() if frees else None, frees=frees)
         ended = False
-        scope = self._scope()
-        names, silent = self.names, self._silent
+        scope = host._scope()
+        names, silent = self.names, self.silent
         if len(scope) > 1:  # nested watchers: name what any of them watches
             names, silent = {}, {}
             for w in reversed(scope):
@@ -134,7 +139,7 @@ class BackwardEvents:
             silent = _this_thread(silent, scope)
         if self.repairer is not None and not frees:
             self.repairer.retain(outputs, f"backward #{n}", site)
-        flight = _inflight.Flight(self, label, site, frees)
+        flight = _inflight.Flight(host, label, site, frees)
         _LOCAL.busy = True  # reset in the finally below, whatever raises
         try:
             # The prediction's gate, set inline: a generator-based context
@@ -142,7 +147,7 @@ class BackwardEvents:
             gate = _GATE.fn
             _GATE.fn = functools.partial(_inflight.depart, flight)
             try:
-                report: Report | None = self._predict(outputs, inputs, api, names,
+                report: Report | None = host._predict(outputs, inputs, api, names,
                                                       silent or None)
             except (TypeError, ValueError, BadCall):
                 report = None  # PyTorch will say what is wrong with the arguments
@@ -161,34 +166,34 @@ class BackwardEvents:
                 if not report.ok:
                     if any(h.kind == "freed" for h in report.hazards):
                         _blame.explain_freed(report, outputs, scope)
-                    self._explain(report, scope)
+                    host._explain(report, scope)
                 if n == self.replay_at:
                     raise ReplayStop(report)
                 if not report.ok:
-                    self._dispatch(report)
+                    host._dispatch(report)
             try:
                 return call()
             except RuntimeError as e:
                 # Record the end first: a write during backward (a hook, a custom
                 # Function) is what the ledger must see to name the tensor.
                 ended = True
-                self._end_backward(n)
-                self._after_error(e, report, site)
+                self._end(n)
+                host._after_error(e, report, site)
                 raise
         finally:
             _LOCAL.busy = False
             _inflight.land(flight)
             if not ended:
-                self._end_backward(n)
+                self._end(n)
 
-    def _step_aside(self) -> None:
+    def step_aside(self) -> None:
         """A backward inside a ``torch.func`` transform runs unpredicted: say so once."""
-        if not self._stepped_aside:
-            self._stepped_aside = True
+        if not self.stepped_aside:
+            self.stepped_aside = True
             logger.debug("versionwatch: backward inside a torch.func transform (grad, vjp, "
                          "jacrev, hessian, vmap) runs unpredicted: its tensors are functorch "
                          "wrappers; backwards outside transforms are predicted as usual")
 
-    def _end_backward(self, n: int) -> None:
+    def _end(self, n: int) -> None:
         label = f"backward #{n}"
         self.ledger.end("backward_end", label, "backward", f"during {label}")

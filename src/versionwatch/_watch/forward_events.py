@@ -1,10 +1,11 @@
 """A watched root's forwards: their numbers, their labels, their events in the ledger.
 
 This is where a forward is recorded. ``_forward`` routes every call of a
-watched root to :meth:`ForwardEvents._on_forward`, once before it runs and
-once after; the ledger then holds a ``forward`` event (its label, the user's
-line, the sequence clock) and a ``forward_end`` one, which ``_blame`` reads to
-say which forward saved a tensor.
+watched root to the watcher's ``_on_forward``, which hands it to
+:meth:`ForwardRecorder.record`, once before it runs and once after; the
+ledger then holds a ``forward`` event (its label, the user's line, the
+sequence clock) and a ``forward_end`` one, which ``_blame`` reads to say
+which forward saved a tensor.
 """
 
 from __future__ import annotations
@@ -23,28 +24,36 @@ from versionwatch._sites import user_site
 from versionwatch._strict import mode as _strict
 from versionwatch._watch.protocols import ForwardToken
 
-__all__ = ["ForwardEvents"]
+__all__ = ["ForwardRecorder"]
 
 
-class ForwardEvents:
-    """The forward part of a :class:`~versionwatch.Watcher`, mixed into it.
+class ForwardRecorder:
+    """A watcher's forward numbers and events, held by the :class:`~versionwatch.Watcher`.
 
-    A mixin rather than an object of its own, as ``OptimizerEvents``: ``_forward``
-    calls ``_on_forward`` twice a forward, and a delegating call would cost each
-    of them a Python call. What it reads of the watcher is declared below.
+    The watcher's ``_on_forward`` calls :meth:`record`; it shares the
+    watcher's names, roots and ledger. The route (``_forward``) reads and
+    numbers a no-grad forward inline: the watcher exposes :attr:`forwards`,
+    :attr:`counters`, :attr:`synced` and :attr:`sharded` as its own.
     """
 
-    # The watcher's, read here.
-    names: dict[int, str]  # id of each watched tensor -> its qualified name
-    roots: dict[str, weakref.ref[nn.Module]]
-    forwards: dict[str, int]  # the last forward number of each root
-    counters: dict[str, Iterator[int]]
-    synced: dict[str, str]  # route name of a DDP root's inner module -> the DDP root's name
-    sharded: set[str]  # FSDP2 roots
-    ledger: Ledger
-    strict: bool
+    __slots__ = ("counters", "forwards", "ledger", "named", "names", "roots", "sharded",
+                 "strict", "synced")
 
-    def _track(self, root: str, module: nn.Module) -> None:
+    def __init__(self, names: dict[int, str], roots: dict[str, weakref.ref[nn.Module]],
+                 ledger: Ledger, strict: bool, named: bool) -> None:
+        self.names = names  # id of each watched tensor -> its qualified name
+        self.roots = roots
+        self.ledger = ledger
+        self.strict = strict
+        self.named = named  # labels carry the root's name even with one root
+        self.forwards: dict[str, int] = {}  # the last forward number of each root
+        self.counters: dict[str, Iterator[int]] = {}
+        # Route name of a DDP root's inner module -> the DDP root's name.
+        self.synced: dict[str, str] = {}
+        # FSDP2 roots: their unsharded parameters appear at the first forward.
+        self.sharded: set[str] = set()
+
+    def track(self, root: str, module: nn.Module) -> None:
         """Watch the tensors of ``module`` not watched yet, named under ``root``.
 
         Also at an FSDP2 root's forwards: the tensors it saved are its
@@ -56,11 +65,13 @@ class ForwardEvents:
                 self.names[key] = qual
                 self.ledger.track(qual, t)
 
-    def forward_label(self, root: str, n: int) -> str:
+    def label(self, root: str, n: int) -> str:
         """``forward #3``, or ``G.forward #3`` when the watcher has more than one root."""
-        return f"forward #{n}" if len(self.roots) == 1 else f"{root}.forward #{n}"
+        if len(self.roots) == 1 and not self.named:
+            return f"forward #{n}"
+        return f"{root}.forward #{n}"
 
-    def _on_forward(self, root: str, pre: bool, token: ForwardToken = None) -> ForwardToken:
+    def record(self, root: str, pre: bool, token: ForwardToken = None) -> ForwardToken:
         """Record a root's forward: ``pre`` before it runs (returns a token), then after it.
 
         A forward under ``no_grad`` or ``inference_mode`` saves nothing for
@@ -74,7 +85,7 @@ class ForwardEvents:
         if self.synced and root in self.synced:
             if pre:
                 outer = self.synced[root]
-                label = self.forward_label(outer, self.forwards[outer])
+                label = self.label(outer, self.forwards[outer])
                 self.ledger.record(
                     "buffer_sync", f"DDP buffer broadcast of {label}", None,
                     cause=Modification(
@@ -95,7 +106,7 @@ class ForwardEvents:
                 seq = None
             else:
                 seq = seq_clock()  # nodes it creates get larger sequence numbers
-            event = self.ledger.record("forward", self.forward_label(root, n), user_site(),
+            event = self.ledger.record("forward", self.label(root, n), user_site(),
                                        seq=seq, module=root)
             if self.strict:
                 _strict.THREAD.forward = event.forward_ref()
@@ -105,12 +116,12 @@ class ForwardEvents:
         if self.sharded and root in self.sharded:
             module = self.roots[root]()
             if module is not None:
-                self._track(root, module)
+                self.track(root, module)
         if before is not None:
             layout = self.ledger._layout  # as at the start: did anything move?
             if layout is not None and layout.unchanged_since(before) is not None:
                 return None  # nothing moved: as if the forward never ran, for the ledger
-        label = self.forward_label(root, n)
+        label = self.label(root, n)
         if before is not None:
             # It wrote to a watched tensor: its events after all; nothing
             # moved before it began (``before`` was the last event's versions).

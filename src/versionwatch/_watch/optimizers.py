@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Sequence
 from itertools import chain
 from types import FrameType
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import torch
 from torch import nn
@@ -128,42 +128,53 @@ def _class_has_optimizer(cls: type) -> bool:
     return has
 
 
-class OptimizerEvents:
-    """The optimizer part of a :class:`~versionwatch.Watcher`, mixed into it.
+class _Named(Protocol):
+    names: dict[int, str]  # id of each watched tensor -> its qualified name
 
-    A mixin rather than an object of its own: the step hooks call the
-    watcher's ``_on_step_pre`` and friends directly, three times a step, and a
-    delegating call would cost each of them a Python call. What it reads of
-    the watcher is declared below; its own state is set by
-    :meth:`_init_optimizers`.
+
+class StepHost(Protocol):
+    """What an :class:`OptimizerTracker` asks of its watcher: the watchers in its scope.
+
+    A repair before a step names what it copies by every open watcher of the thread.
     """
 
-    # The watcher's, read here.
-    names: dict[int, str]
-    roots: dict[str, weakref.ref[nn.Module]]
-    ledger: Ledger
-    strict: bool
-    repairer: Repairer | None
+    def _scope(self) -> Sequence[_Named]: ...
 
-    def _scope(self) -> Sequence[OptimizerEvents]:
-        """This watcher, then the other open watchers of its thread (the watcher's)."""
-        raise NotImplementedError
 
-    def _init_optimizers(self) -> None:
-        self._optimizers: dict[int, OptimizerState] = {}
+class OptimizerTracker:
+    """The optimizers a watcher follows, and their step and zero_grad events.
+
+    Held by the :class:`~versionwatch.Watcher`, whose ``_on_step_pre`` and
+    friends call it; it shares the watcher's names, roots and ledger, and
+    holds the watcher itself weakly (the watcher holds it).
+    """
+
+    __slots__ = ("_host", "kept_grads", "ledger", "names", "not_ours", "repairer", "roots",
+                 "silent", "silent_on", "states", "strict")
+
+    def __init__(self, host: StepHost, names: dict[int, str],
+                 roots: dict[str, weakref.ref[nn.Module]], ledger: Ledger, strict: bool,
+                 repairer: Repairer | None) -> None:
+        self._host = weakref.ref(host)
+        self.names = names
+        self.roots = roots
+        self.ledger = ledger
+        self.strict = strict
+        self.repairer = repairer
+        self.states: dict[int, OptimizerState] = {}  # id of each followed optimizer -> its state
         # Set once a zero_grad(set_to_none=False) left grad marks.
-        self._kept_grads = False
+        self.kept_grads = False
         # Fused steps' silent writes: param id -> the sequence clock after the
         # step, and the thread that clock was read on.
-        self._silent: dict[int, int] = {}
-        self._silent_on: dict[int, int] = {}
+        self.silent: dict[int, int] = {}
+        self.silent_on: dict[int, int] = {}
         # Optimizers found to step none of the watched params, by id: (the
         # optimizer, weakly; len(names) then, which only grows; its group ids).
         # Asked again only once either changed: their hooks run at every step.
-        self._not_ours: dict[int, tuple[weakref.ref[Optimizer], int, list[int]]] = {}
+        self.not_ours: dict[int, tuple[weakref.ref[Optimizer], int, list[int]]] = {}
 
     # -- which optimizers --------------------------------------------------------------
-    def _add_optimizer(self, opt: Optimizer, explicit: bool) -> OptimizerState | None:
+    def add(self, opt: Optimizer, explicit: bool) -> OptimizerState | None:
         if not isinstance(opt, Optimizer):
             raise TypeError(f"watch() takes torch.optim optimizers; got {type(opt).__name__}")
         params = [p for g in opt.param_groups for p in g["params"]]
@@ -174,18 +185,19 @@ class OptimizerEvents:
                     "pass the modules it optimizes to watch()"
                 )
             return None
-        known = self._optimizers.get(id(opt))
+        known = self.states.get(id(opt))
         if known is not None and known.ref() is opt:
             return known  # given twice: one optimizer, one label
         cls = type(opt).__name__
         # Numbered within its class: an AdamW is no Adam.
-        same = sum(1 for s in self._optimizers.values()
+        same = sum(1 for s in self.states.values()
                    if s.label == cls or s.label.startswith(cls + "["))
         state = OptimizerState(opt, cls if same == 0 else f"{cls}[{same}]")
-        self._optimizers[id(opt)] = state
+        self.states[id(opt)] = state
         return state
 
-    def _optimizer(self, opt: Optimizer) -> OptimizerState | None:
+    def find(self, opt: Optimizer) -> OptimizerState | None:
+        """``opt``'s state, following it from now on if it steps a watched param; else None."""
         # Lightning's LightningOptimizer wrapper keeps the optimizer in its
         # instance dict; a failed getattr costs about 1 us, three times a step.
         if _class_has_optimizer(type(opt)):
@@ -194,18 +206,18 @@ class OptimizerEvents:
             inner = opt.__dict__.get("_optimizer")
         if isinstance(inner, Optimizer):
             opt = inner
-        state = self._optimizers.get(id(opt))
+        state = self.states.get(id(opt))
         if state is not None and state.ref() is opt:
             return state
-        known = self._not_ours.get(id(opt))
+        known = self.not_ours.get(id(opt))
         if known is not None and known[0]() is opt and known[1] == len(self.names) \
                 and known[2] == group_ids(opt):
             return None
-        state = self._add_optimizer(opt, explicit=False)
+        state = self.add(opt, explicit=False)
         if state is None:
-            if len(self._not_ours) >= 64:  # dead ones' entries: a bound, not a sweep
-                self._not_ours.clear()
-            self._not_ours[id(opt)] = (weakref.ref(opt), len(self.names), group_ids(opt))
+            if len(self.not_ours) >= 64:  # dead ones' entries: a bound, not a sweep
+                self.not_ours.clear()
+            self.not_ours[id(opt)] = (weakref.ref(opt), len(self.names), group_ids(opt))
         return state
 
     def _watched(self, opt: Optimizer, state: OptimizerState | None = None,
@@ -217,7 +229,7 @@ class OptimizerEvents:
         the cache holds).
         """
         if state is None:
-            state = self._optimizers.get(id(opt))
+            state = self.states.get(id(opt))
         ids = group_ids(opt)
         cache = state.params if state is not None else None
         # The same ids, and the groups hold tensors with these ids alive: only a
@@ -253,23 +265,23 @@ class OptimizerEvents:
                 return
 
     # -- events --------------------------------------------------------------------------
-    def _on_zero_grad(self, opt: Optimizer, set_to_none: bool,
-                      state: OptimizerState | None = None, site: Site | None = None) -> None:
-        """``state``: ``self._optimizer(opt)``, and ``site`` the user's line, when known."""
+    def on_zero_grad(self, opt: Optimizer, set_to_none: bool,
+                     state: OptimizerState | None = None, site: Site | None = None) -> None:
+        """``state``: ``self.find(opt)``, and ``site`` the user's line, when known."""
         if self.strict:
             _strict.end_step()  # past any step, even one that raised
         if state is None:
-            state = self._optimizer(opt)
+            state = self.find(opt)
         if state is None:
             return
         if set_to_none:  # every .grad is None now
             # Until some zero_grad keeps grads, every mark is None or _NO_GRAD,
-            # and both mean the same to _on_step_pre: nothing to update.
-            for tr in self._watched(opt, state, need=False)[1] if self._kept_grads else ():
+            # and both mean the same to on_step_pre: nothing to update.
+            for tr in self._watched(opt, state, need=False)[1] if self.kept_grads else ():
                 if tr is not None:
                     tr.grad_mark = _NO_GRAD
         else:
-            self._kept_grads = True
+            self.kept_grads = True
             params, trs = self._watched(opt, state)
             for p, tr in zip(params, trs):
                 if tr is not None:
@@ -280,14 +292,14 @@ class OptimizerEvents:
                  else f"{state.label}.zero_grad(set_to_none={set_to_none})")
         self.ledger.record("zero_grad", label, site if site is not None else user_site())
 
-    def _on_step_pre(self, opt: Optimizer, state: OptimizerState | None = None,
-                     caller: FrameType | None = None) -> None:
-        """``state``: ``self._optimizer(opt)``, when known; ``caller``: the frame running the step.
+    def on_step_pre(self, opt: Optimizer, state: OptimizerState | None = None,
+                    caller: FrameType | None = None) -> None:
+        """``state``: ``self.find(opt)``, when known; ``caller``: the frame running the step.
 
         That frame is the one that calls the pre-hooks (under ``Optimizer.step``).
         """
         if state is None:
-            state = self._optimizer(opt)
+            state = self.find(opt)
         if state is None:
             return
         if state.pending is not None:  # the last step raised: its post-hook never ran
@@ -303,7 +315,7 @@ class OptimizerEvents:
         threads = threading.active_count() > 1
         # Also adopts params added since; the params themselves only when used below.
         params, trs = self._watched(opt, state,
-                                    need=repair or threads or self._kept_grads or is_fused)
+                                    need=repair or threads or self.kept_grads or is_fused)
         if repair:
             self._repair_step(params, label, site)
         if threads:
@@ -312,7 +324,7 @@ class OptimizerEvents:
                                    Modification("optimizer.step", label, site))
         # Only fused steps need the versions before, and only zero_grad(set_to_none=
         # False) leaves marks that make notes: otherwise skip the per-param loop.
-        if not (self._kept_grads or is_fused):
+        if not (self.kept_grads or is_fused):
             params = []
         for p, tr in zip(params, trs):
             g = p.grad
@@ -341,10 +353,10 @@ class OptimizerEvents:
                 _strict.on_write("step", (with_grad,), {}, silent=is_fused)
             _strict.THREAD.step_checked = True
 
-    def _on_step_post(self, opt: Optimizer, state: OptimizerState | None = None) -> None:
-        """``state``: ``self._optimizer(opt)``, when the caller has it already."""
+    def on_step_post(self, opt: Optimizer, state: OptimizerState | None = None) -> None:
+        """``state``: ``self.find(opt)``, when the caller has it already."""
         if state is None:
-            state = self._optimizer(opt)
+            state = self.find(opt)
         if state is None or state.pending is None:
             return
         label, site, touched, notes = state.pending
@@ -362,15 +374,15 @@ class OptimizerEvents:
                 p = ref()
                 if p is not None and p._version == v:
                     clock = clock if clock is not None else seq_clock()
-                    self._silent[id(p)] = clock
-                    self._silent_on[id(p)] = threading.get_ident()
+                    self.silent[id(p)] = clock
+                    self.silent_on[id(p)] = threading.get_ident()
                     self.ledger.silent(
                         p, Modification("optimizer.step", f"{label} (fused: no version bump)", site)
                     )
 
-    def _end_pending_steps(self) -> None:
+    def end_pending_steps(self) -> None:
         """Close every step under way: a raise unwinds a step, whose post-hook will not run."""
-        for state in self._optimizers.values():
+        for state in self.states.values():
             if state.pending is not None:
                 self.ledger.end_step(state.pending.label)
             state.pending = None
@@ -380,7 +392,8 @@ class OptimizerEvents:
         repairer = self.repairer
         assert repairer is not None
         names = self.names
-        scope = self._scope()
+        host = self._host()
+        scope = host._scope() if host is not None else ()
         if len(scope) > 1:
             names = {}
             for w in reversed(scope):

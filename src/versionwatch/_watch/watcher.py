@@ -18,9 +18,9 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -43,12 +43,15 @@ from versionwatch._timeline import Timeline, of_ledger
 from versionwatch._watch import blame as _blame
 from versionwatch._watch import forward as _forward
 from versionwatch._watch.active import ACTIVE, LOCK, thread_stack
-from versionwatch._watch.backward import BackwardEvents
-from versionwatch._watch.forward_events import ForwardEvents
+from versionwatch._watch.backward import BackwardPipeline
+from versionwatch._watch.forward_events import ForwardRecorder
 from versionwatch._watch.intercept import PATCHES
-from versionwatch._watch.optimizers import OptimizerEvents
+from versionwatch._watch.optimizers import OptimizerState, OptimizerTracker
 from versionwatch._watch.policy import Policy, resolve_policy
-from versionwatch._watch.protocols import InScope
+from versionwatch._watch.protocols import ForwardToken, InScope
+
+if TYPE_CHECKING:
+    from versionwatch._watch.auto import AutoWatcher
 
 logger = logging.getLogger("versionwatch")
 
@@ -80,7 +83,7 @@ def _check_modules(modules: Mapping[str, nn.Module]) -> None:
     """Refuse a module given twice, a ScriptModule, and one an explicit open watcher watches.
 
     A module the automatic watcher (``watch_all``) holds is not refused: it is
-    lent (see :meth:`Watcher._lend`).
+    lent (see :meth:`AutoWatcher._lend`).
     """
     seen: dict[int, str] = {}
     for name, module in modules.items():
@@ -107,7 +110,7 @@ def _check_modules(modules: Mapping[str, nn.Module]) -> None:
                 )
 
 
-class Watcher(ForwardEvents, BackwardEvents, OptimizerEvents):
+class Watcher:
     """Watches modules and optimizers; predicts and explains every backward.
 
     Create it with :func:`watch`. It is active from creation until :meth:`close`
@@ -123,6 +126,8 @@ class Watcher(ForwardEvents, BackwardEvents, OptimizerEvents):
     # An automatic watcher (watch_all) lends its roots to an explicit watcher
     # of the same module for that one's span, instead of refusing it.
     lends_roots = False
+    # Forward labels carry the root's name even while the watcher has one root.
+    root_in_labels = False
 
     def __init__(
         self,
@@ -143,14 +148,31 @@ class Watcher(ForwardEvents, BackwardEvents, OptimizerEvents):
         self.reports: deque[Report] = deque(maxlen=100)
         self.names: dict[int, str] = {}  # id of each watched tensor -> its qualified name
         self.roots: dict[str, weakref.ref[nn.Module]] = {}
-        self.forwards: dict[str, int] = {}  # the last forward number of each root
-        self.counters: dict[str, Iterator[int]] = {}
-        # Route name of a DDP root's inner module -> the DDP root's name.
-        self.synced: dict[str, str] = {}
-        # FSDP2 roots: their unsharded parameters appear at the first forward.
-        self.sharded: set[str] = set()
-        self._init_optimizers()
-        self.backward_count = 0
+        # Its parts, sharing the dicts above; each event enters through the
+        # methods below (the peer harness wraps them on the class), which call
+        # a part's method bound here once.
+        recorder = self._forward_recorder = ForwardRecorder(
+            self.names, self.roots, self.ledger, self.strict, self.root_in_labels)
+        self._record_forward = recorder.record
+        # The route (_forward) numbers a no-grad forward inline, on the watcher.
+        self.forwards = recorder.forwards
+        self.counters = recorder.counters
+        self.synced = recorder.synced
+        self.sharded = recorder.sharded
+        tracker = self._optimizer_tracker = OptimizerTracker(
+            self, self.names, self.roots, self.ledger, self.strict, self.repairer)
+        # The interception points ask it three times a step: the tracker's own method.
+        self._optimizer: Callable[[Optimizer], OptimizerState | None] = tracker.find
+        self._zero_grad = tracker.on_zero_grad
+        self._step_pre = tracker.on_step_pre
+        self._step_post = tracker.on_step_post
+        # Blame and the backward read these of every watcher in scope.
+        self._optimizers = tracker.states
+        self._silent = tracker.silent
+        self._silent_on = tracker.silent_on
+        pipeline = self._backward_pipeline = BackwardPipeline(
+            self.names, self.ledger, tracker.silent, self.strict, self.repairer)
+        self._backward = pipeline.run
         self.closed = False
         # Everything this watcher holds of the process (forward routes, the
         # patches, its registry entry, strict mode), given back newest first
@@ -172,7 +194,7 @@ class Watcher(ForwardEvents, BackwardEvents, OptimizerEvents):
                     self._borrow(module)
                     self._add_root(name, module)
                 for opt in optimizers:
-                    self._add_optimizer(opt, explicit=True)
+                    tracker.add(opt, explicit=True)
                 self._held.append(PATCHES.subscribe())
                 self._held.append(ACTIVE.add(self))
                 if self.strict:
@@ -189,7 +211,7 @@ class Watcher(ForwardEvents, BackwardEvents, OptimizerEvents):
         self.roots[name] = weakref.ref(module)
         self.forwards[name] = 0
         self.counters[name] = itertools.count(1)
-        self._track(name, module)
+        self._forward_recorder.track(name, module)
         self._route(name, module)
         if has_fsdp(module):
             self.sharded.add(name)
@@ -210,19 +232,11 @@ class Watcher(ForwardEvents, BackwardEvents, OptimizerEvents):
     def _borrow(self, module: nn.Module) -> None:
         """Take ``module`` from every automatic watcher for this watcher's span."""
         for other in ACTIVE:
-            lender = cast("Watcher", other)
-            if lender is not self and lender.lends_roots and not lender.closed:
+            if other is not self and cast("Watcher", other).lends_roots and not other.closed:
+                lender = cast("AutoWatcher", other)
                 self._held.append(lender._lend(module))
                 if not any(r() is lender for r in self._lenders):
                     self._lenders.append(weakref.ref(lender))
-
-    def _lend(self, module: nn.Module) -> Removable:
-        """Stop watching ``module`` until the returned handle is removed.
-
-        Only an automatic watcher (:attr:`lends_roots`) lends: see
-        :class:`~versionwatch.AutoWatcher`.
-        """
-        raise NotImplementedError
 
     def _predict(self, outputs: Any, inputs: Any, api: str, names: dict[int, str],
                  silent: dict[int, int] | None) -> Report:
@@ -240,6 +254,57 @@ class Watcher(ForwardEvents, BackwardEvents, OptimizerEvents):
             return [self]
         return [self, *(w for r in reversed(stack)
                         if (w := r()) is not None and w is not self and not w.closed)]
+
+    # -- events: each one's entry, handed to the part that records it -----------------
+    def forward_label(self, root: str, n: int) -> str:
+        """``forward #3``, or ``G.forward #3`` when the watcher has more than one root."""
+        return self._forward_recorder.label(root, n)
+
+    def _on_forward(self, root: str, pre: bool, token: ForwardToken = None) -> ForwardToken:
+        """A root's forward: ``pre`` before it runs (returns a token), then after it."""
+        return self._record_forward(root, pre, token)
+
+    def _on_zero_grad(self, opt: Optimizer, set_to_none: bool,
+                      state: OptimizerState | None = None, site: Site | None = None) -> None:
+        """``state``: ``self._optimizer(opt)``, and ``site`` the user's line, when known."""
+        self._zero_grad(opt, set_to_none, state, site)
+
+    def _on_step_pre(self, opt: Optimizer, state: OptimizerState | None = None,
+                     caller: FrameType | None = None) -> None:
+        """``state``: ``self._optimizer(opt)``, when known; ``caller``: the frame running the step.
+
+        That frame is the one that calls the pre-hooks (under ``Optimizer.step``).
+        """
+        self._step_pre(opt, state, caller)
+
+    def _on_step_post(self, opt: Optimizer, state: OptimizerState | None = None) -> None:
+        """``state``: ``self._optimizer(opt)``, when the caller has it already."""
+        self._step_post(opt, state)
+
+    def _run_backward(self, api: str, outputs: Any, inputs: Any, call: Callable[[], Any],
+                      arguments: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
+                      site: Site | None = None) -> Any:
+        """Predict a backward (``api``), explain and dispatch its hazards, then ``call()`` it."""
+        __tracebackhide__ = True
+        return self._backward(self, api, outputs, inputs, call, arguments, site)
+
+    def _step_aside(self) -> None:
+        """A backward inside a ``torch.func`` transform runs unpredicted: say so once."""
+        self._backward_pipeline.step_aside()
+
+    @property
+    def backward_count(self) -> int:
+        """The backwards watched so far."""
+        return self._backward_pipeline.count
+
+    @property
+    def replay_at(self) -> int | None:
+        """``versionwatch run --replay``'s strict re-run: the backward number to stop at."""
+        return self._backward_pipeline.replay_at
+
+    @replay_at.setter
+    def replay_at(self, n: int | None) -> None:
+        self._backward_pipeline.replay_at = n
 
     # -- explaining and dispatching --------------------------------------------------
     def _explain(self, report: Report, scope: Sequence[InScope] | None = None) -> InScope:
@@ -300,7 +365,7 @@ class Watcher(ForwardEvents, BackwardEvents, OptimizerEvents):
         if self.policy in ("raise", "repair"):
             # The raise unwinds the step: its post-hook will not run.
             _strict.end_step()
-            self._end_pending_steps()
+            self._optimizer_tracker.end_pending_steps()
         report = Report(hazards=hazards, rank=_distributed.rank())
         self.reports.append(report)
         self._share(report)
