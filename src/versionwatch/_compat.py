@@ -28,10 +28,16 @@ import logging
 import sys
 import threading
 from types import CodeType, FrameType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 from torch.autograd.function import BackwardCFunction
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.autograd.graph import Node
+
+    from versionwatch._strict.records import SavedRecord
 
 SavedTensor: Any = torch._C._autograd.SavedTensor
 
@@ -48,7 +54,7 @@ CLEARS_ON_ACCESS: bool = hasattr(torch.autograd.Function, "clear_saved_tensors_o
 """A custom Function can have its saved tensors cleared at their first read."""
 
 
-def clears_on_access(fn: Any) -> bool:
+def clears_on_access(fn: Node) -> bool:
     """Whether reading ``fn.saved_tensors`` (a custom Function's node) would clear them.
 
     PyTorch copies the Function class's flag into the node when it runs the
@@ -124,7 +130,7 @@ skip_code: Callable[[CodeType], None] | None = _code_skipper()
 function (a C function: no import of ``torch._dynamo``); None where torch has none."""
 
 
-def _dynamo_tables(build: bool) -> list[dict[Any, Any]]:
+def _dynamo_tables(build: bool) -> list[dict[object, object]]:
     """Dynamo's cached tables of torch's functions (if imported), built now if ``build``."""
     rules = sys.modules.get("torch._dynamo.trace_rules")
     variables = sys.modules.get("torch._dynamo.variables.torch")
@@ -156,7 +162,7 @@ def warm_dynamo() -> None:
     _dynamo_tables(build=True)
 
 
-def dynamo_forget(pairs: list[tuple[Any, Any]]) -> None:
+def dynamo_forget(pairs: list[tuple[object, object]]) -> None:
     """In dynamo's tables built while the stand-ins were in, each ``(stand-in, original)``
     pair's stand-in gives its place back to the original (called once they are out)."""
     for table in _dynamo_tables(build=False):
@@ -187,7 +193,7 @@ UNREAD = object()
 """What :func:`peek` returns when strict's records came back but the value did not."""
 
 
-def zero_grads(fn: Any) -> list[torch.Tensor]:
+def zero_grads(fn: Node) -> list[torch.Tensor]:
     """Zero gradients to call ``fn`` (a node) with, shaped as backward would pass them.
 
     Old torch shows no ``_input_metadata``; then a 0-d zero stands in, which
@@ -199,9 +205,20 @@ def zero_grads(fn: Any) -> list[torch.Tensor]:
     return [torch.zeros(m.shape, dtype=m.dtype, device=m.device) for m in metas]
 
 
-def input_metadata(fn: Any) -> Any:
+class InputMetadata(Protocol):
+    """What torch's C++ ``InputMetadata`` of a node's input shows (``Node._input_metadata``)."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
+
+
+def input_metadata(fn: Node) -> InputMetadata | None:
     """The metadata of ``fn``'s first input (its gradient), or None where torch hides it."""
-    metas = getattr(fn, "_input_metadata", None)
+    metas: list[InputMetadata] | None = getattr(fn, "_input_metadata", None)
     return metas[0] if metas else None
 
 
@@ -215,7 +232,7 @@ class ProfiledSaved(HookedSaved):
 
 class _Peek(threading.local):
     active = False
-    records: list[Any] | None = None
+    records: list[SavedRecord] | None = None
 
 
 PEEK = _Peek()
@@ -223,7 +240,7 @@ _PROFILER_SAID = False
 _ALLOWED: set[CodeType] = set()
 
 
-def allow_in_peek(fn: Callable[..., Any]) -> None:
+def allow_in_peek(fn: Callable[..., object]) -> None:
     """Let ``fn`` (our own unpack hook) run inside :func:`peek`; it reads ``PEEK``."""
     _ALLOWED.add(fn.__code__)
 
@@ -236,7 +253,7 @@ def _anomaly_stack() -> None:
     _ALLOWED.add(fx_traceback.format_stack.__code__)
 
 
-def _trap(frame: FrameType, event: str, arg: Any) -> None:
+def _trap(frame: FrameType, event: str, arg: object) -> None:
     if event != "call" or not PEEK.active:
         return
     f: FrameType | None = frame
@@ -248,7 +265,7 @@ def _trap(frame: FrameType, event: str, arg: Any) -> None:
     raise HookedSaved
 
 
-def peek(owner: Any, attr: str) -> tuple[Any, list[Any]]:
+def peek(owner: Node, attr: str) -> tuple[object, list[SavedRecord]]:
     """Read ``getattr(owner, attr)`` (a saved-tensor getter) with every Python call refused.
 
     Returns what it read and the strict records that strict mode's own
@@ -275,7 +292,7 @@ def peek(owner: Any, attr: str) -> tuple[Any, list[Any]]:
                 "hides which saved tensors have hooks: saved tensors are not verified while "
                 "it runs (see docs/versions.md)")
         raise ProfiledSaved
-    records: list[Any] = []
+    records: list[SavedRecord] = []
     PEEK.records = records
     PEEK.active = True
     # A user's dispatch mode or tensor subclass would see the unpacked tensors
@@ -304,7 +321,7 @@ if not SAVED_INTROSPECTION:
     _anomaly_stack()
 
 
-def fsdp_unsharded(module: Any) -> list[tuple[Any, str, torch.Tensor]]:
+def fsdp_unsharded(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """``(owning module, parameter name, unsharded parameter)`` of an FSDP2 module.
 
     ``fully_shard`` keeps each parameter twice: the sharded one that
@@ -334,7 +351,7 @@ def fsdp_unsharded(module: Any) -> list[tuple[Any, str, torch.Tensor]]:
     return out
 
 
-def fully_shard_fn() -> Callable[..., Any] | None:
+def fully_shard_fn() -> Callable[..., object] | None:
     """FSDP2's ``fully_shard``, where this torch has it (imported on demand)."""
     for where in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
         try:

@@ -22,7 +22,7 @@ _wrapped: Callable[[torch.Tensor], bool] | None = getattr(
     _functorch, "is_functorch_wrapped_tensor", None)
 
 
-def in_functorch_transform(*values: Any) -> bool:
+def in_functorch_transform(*values: object) -> bool:
     """True inside a ``torch.func`` transform, or when ``values`` hold its wrapped tensors.
 
     Args:

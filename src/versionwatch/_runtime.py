@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, MutableMapping
 from typing import Any, Generic, Protocol, TypeVar
 
 from typing_extensions import Self
@@ -50,7 +50,7 @@ class Patch:
 
     __slots__ = ("attr", "had", "new", "old", "on", "owner")
 
-    def __init__(self, owner: Any, attr: str, new: Any) -> None:
+    def __init__(self, owner: object, attr: str, new: Any) -> None:
         self.owner = owner
         self.attr = attr
         self.new = new
@@ -85,12 +85,16 @@ class Patch:
         return f"Patch({owner}.{self.attr})"
 
 
-class Entry:
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class Entry(Generic[_K, _V]):
     """``table[key] = value`` while applied (TorchScript's builtin table, say)."""
 
     __slots__ = ("key", "table", "value")
 
-    def __init__(self, table: MutableMapping[Any, Any], key: Any, value: Any) -> None:
+    def __init__(self, table: MutableMapping[_K, _V], key: _K, value: _V) -> None:
         self.table = table
         self.key = key
         self.value = value
@@ -103,15 +107,22 @@ class Entry:
             del self.table[self.key]
 
 
-class Hook:
+class _Handle(Protocol):
+    def remove(self) -> None: ...
+
+
+_F = TypeVar("_F")
+
+
+class Hook(Generic[_F]):
     """A hook registered with ``register(fn)`` while applied, removed by its handle."""
 
     __slots__ = ("fn", "handle", "register")
 
-    def __init__(self, register: Callable[[Any], Any], fn: Any) -> None:
+    def __init__(self, register: Callable[[_F], _Handle], fn: _F) -> None:
         self.register = register
         self.fn = fn
-        self.handle: Any = None
+        self.handle: _Handle | None = None
 
     def apply(self) -> None:
         self.handle = self.register(self.fn)
@@ -211,7 +222,7 @@ def remove_all(held: list[Removable]) -> None:
         raise error
 
 
-_ANCHORS: dict[Any, Anchor] = {}
+_ANCHORS: dict[Hashable, Anchor] = {}
 
 
 class Anchor:
@@ -225,7 +236,7 @@ class Anchor:
     __slots__ = ("__weakref__", "_applied", "_changes", "_key", "count", "name")
 
     def __init__(self, name: str, changes: Callable[[], Iterable[Change]],
-                 key: Any = None) -> None:
+                 key: Hashable = None) -> None:
         self.name = name
         self._changes = changes
         self._applied: list[Change] = []
@@ -272,7 +283,7 @@ class Anchor:
 _SUBSCRIBED: weakref.WeakSet[Anchor] = weakref.WeakSet()
 
 
-def anchor(key: Any, name: str, changes: Callable[[], Iterable[Change]]) -> Anchor:
+def anchor(key: Hashable, name: str, changes: Callable[[], Iterable[Change]]) -> Anchor:
     """The anchor kept under ``key`` (one per class, say), made if there is none.
 
     Kept from now until its last subscriber lets go, so that two threads
@@ -320,7 +331,7 @@ class Registry(Generic[_T]):
             self._changed()
         return Subscription(lambda: self._take(entry))
 
-    def _take(self, entry: Any) -> None:
+    def _take(self, entry: object) -> None:
         with _LOCK:
             for i, e in enumerate(self._items):
                 if e is entry:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from versionwatch._ledger import Event
 
@@ -67,7 +67,7 @@ class Timeline:
                      "found stale later)")
         return "\n".join(lines)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Plain data: columns, and one entry per event."""
         return {
             "columns": self.columns,

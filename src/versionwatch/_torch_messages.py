@@ -31,6 +31,9 @@ from versionwatch._report.model import BACKWARD_SUFFIX
 
 if TYPE_CHECKING:
     import torch
+    from torch.autograd.graph import Node
+
+    from versionwatch._strict.records import SavedRecord
 
 # -- reading ------------------------------------------------------------------------
 
@@ -113,7 +116,7 @@ _TEMPLATES: dict[bool, _Template] = {}
 _LOCK = threading.Lock()
 
 
-def _probe(dtype: Any = None, device: Any = None) -> str | None:
+def _probe(dtype: torch.dtype | None = None, device: torch.device | None = None) -> str | None:
     """PyTorch's error for a stale saved tensor, read in a fresh thread.
 
     By default a float32 output saved by its own node (``ExpBackward0``), for
@@ -203,7 +206,7 @@ def stale_message(t: torch.Tensor, now: int, saved: int, producer: str | None = 
 
 
 # (dtype, device type) -> the type's name in PyTorch's message, as learnt.
-_TYPE_NAMES: dict[tuple[Any, str], str] = {}
+_TYPE_NAMES: dict[tuple[torch.dtype, str], str] = {}
 
 
 def type_name(t: torch.Tensor) -> str:
@@ -243,7 +246,7 @@ def _sizes(t: torch.Tensor) -> str:
     return f"{body}[ torch.LongTensor{{{dims}}} ]"
 
 
-def output_slot(node: object, packed: object) -> int | None:
+def output_slot(node: Node, packed: object) -> int | None:
     """Which output of ``node`` the saved tensor that packed to ``packed`` is, if it is one.
 
     A node that saved its own output (``result``, ``result1``) is the producer
@@ -277,7 +280,7 @@ def _result_nr(slot: str) -> int | None:
     return 0 if not suffix else int(suffix) if suffix.isdigit() else None
 
 
-def strict_message(rec: Any, node: Any, slot: str | None = None,
+def strict_message(rec: SavedRecord, node: Node | None, slot: str | None = None,
                    output: int | None = None) -> str:
     """PyTorch's error for strict mode's record ``rec`` of a tensor that ``node`` saved.
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from versionwatch._report.model import Hazard, Report, Site
+from versionwatch._report.model import Hazard, Modification, Report, Site
 
 Kind = Literal["inplace", "freed", "silent"]
 Use = Literal["forward", "data"]
@@ -46,7 +46,7 @@ class Line:
     def __str__(self) -> str:
         return f"{shown(self.file)}:{self.line}"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"file": self.file, "line": self.line, "code": self.code}
 
     @classmethod
@@ -158,9 +158,9 @@ class FixFacts:
                 out.extend(v for v in value if isinstance(v, Line))
         return out
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """JSON-ready fields (``sources`` left out)."""
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "sources":
@@ -210,7 +210,7 @@ def _line(site: Site | None) -> Line | None:
     return Line(file if file.startswith("<") else os.path.abspath(file), site.line, site.code)
 
 
-def _sites(m: Any) -> list[Line]:
+def _sites(m: Modification) -> list[Line]:
     """A modification's user lines, outermost first: its full stack where the report has
     one (a ``no_grad`` update in a helper: the call in the loop, then the write), else
     its own line."""

@@ -13,7 +13,7 @@ import ast
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from versionwatch._candidates.facts import FixFacts, Line, shown
 from versionwatch._candidates.source import (
@@ -38,6 +38,22 @@ def _cwd() -> str | None:
         return os.getcwd()
     except OSError:  # the working directory is gone
         return None
+
+
+class CandidateDoc(TypedDict):
+    """A candidate's JSON fields: a :class:`~versionwatch._report.model.Fix`'s."""
+
+    family: str
+    summary: str
+    file: str
+    line: int
+    old: str
+    new: str
+    diff: str
+    checked: bool
+    verified: bool
+    keeps_values: bool
+    why: str
 
 
 @dataclass
@@ -100,7 +116,7 @@ class Candidate:
         return "".join(unified_diff(shown(path, self.base), old, new)
                        for path, (old, new) in self.files.items())
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> CandidateDoc:
         return {
             "family": self.family, "summary": self.summary, "file": shown(self.file, self.base),
             "line": self.line, "old": self.old, "new": self.new, "diff": self.diff,

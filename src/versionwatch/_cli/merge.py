@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TypedDict, Union, cast
 
 MERGED_SCHEMA = "versionwatch.ranks/1"
 
@@ -25,11 +25,77 @@ def rank_path(path: str, rank: int) -> str:
     return os.path.join(head, name)
 
 
+class _SiteDoc(TypedDict, total=False):
+    file: str | None
+    line: int | None
+
+
+class _ModificationDoc(TypedDict, total=False):
+    description: str | None
+
+
+class _HazardDoc(TypedDict, total=False):
+    kind: str | None
+    tensor: str | None
+    saved_by: str | None
+    slot: str | None
+    backward_site: _SiteDoc | None
+    modified_by: list[_ModificationDoc] | None
+
+
+class _EventDoc(TypedDict, total=False):
+    versions: dict[str, int | None] | None
+
+
+class _TimelineDoc(TypedDict, total=False):
+    events: list[_EventDoc] | None
+
+
+class _ReportDoc(TypedDict, total=False):
+    """The fields of a run's report that merge reads, as :data:`_REPORT` lets them through."""
+
+    ok: bool
+    hazards: list[_HazardDoc] | None
+    rank: int | None
+    world_size: int | None
+    exit_status: int | None
+    exception: str | None
+    timeline: _TimelineDoc | None
+
+
+class MergedHazard(TypedDict):
+    kind: str | None
+    tensor: str | None
+    saved_by: str
+    backward_site: str | None
+    modified_by: list[str | None]
+    ranks: list[int]
+
+
+class MergedRank(TypedDict):
+    rank: int
+    file: str
+    ok: bool | None
+    exit_status: int | None
+    exception: str | None
+    hazards: int
+
+
+class Merged(TypedDict):
+    """The summary :func:`merge` makes (schema ``versionwatch.ranks/1``)."""
+
+    schema: str
+    ok: bool
+    ranks: list[MergedRank]
+    hazards: list[MergedHazard]
+    disagree: list[str]
+
+
 class MergeError(Exception):
     """A file given to ``versionwatch merge`` cannot be read as a run's report."""
 
 
-def _load(path: str) -> dict[str, Any]:
+def _load(path: str) -> _ReportDoc:
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
@@ -41,12 +107,13 @@ def _load(path: str) -> dict[str, Any]:
             "versionwatch.report/"):
         raise MergeError(f"{path} is not a versionwatch report (no versionwatch.report schema)")
     _check(path, doc, _REPORT, "")
-    return doc
+    return cast(_ReportDoc, doc)  # _check let only these types through
 
 
 # The fields that merge reads, and the JSON types each may hold (None: null).
 # A field may be absent; present, it must have one of its types.
-_Spec = Any
+_Spec = Union[None, type, list["_Spec"], dict[str, "_Field"]]
+_Field = Union[_Spec, tuple[_Spec, ...]]  # a field's types
 _SITE: _Spec = {"file": (str, None), "line": (int, None)}
 _HAZARD: _Spec = {"kind": (str, None), "tensor": (str, None), "saved_by": (str, None),
                   "slot": (str, None), "backward_site": (_SITE, None),
@@ -64,7 +131,7 @@ def _kind(spec: _Spec) -> str:
             else "a list" if isinstance(spec, list) else "an object")
 
 
-def _fits(value: Any, spec: _Spec) -> bool:
+def _fits(value: object, spec: _Spec) -> bool:
     if spec is None:
         return value is None
     if isinstance(spec, list):
@@ -75,19 +142,19 @@ def _fits(value: Any, spec: _Spec) -> bool:
     return isinstance(value, spec) and (spec is bool or not isinstance(value, bool))
 
 
-def _check(path: str, value: Any, spec: _Spec, where: str) -> None:
+def _check(path: str, value: object, spec: _Spec, where: str) -> None:
     """Raise MergeError naming ``path`` and the field if ``value`` does not fit ``spec``."""
     if isinstance(spec, list):
-        for i, item in enumerate(value):
+        for i, item in enumerate(cast("list[object]", value)):  # _fits: a list
             _check_field(path, item, spec[0], f"{where}[{i}]")
     elif isinstance(spec, dict):
-        for key, item in value.items():
+        for key, item in cast("dict[str, object]", value).items():  # _fits: an object
             sub = spec.get(key, spec.get("*"))
             if sub is not None:
                 _check_field(path, item, sub, f"{where}.{key}" if where else key)
 
 
-def _check_field(path: str, value: Any, specs: _Spec, where: str) -> None:
+def _check_field(path: str, value: object, specs: _Field, where: str) -> None:
     specs = specs if isinstance(specs, tuple) else (specs,)
     spec = next((s for s in specs if _fits(value, s)), _MISSING)
     if spec is _MISSING:
@@ -96,26 +163,26 @@ def _check_field(path: str, value: Any, specs: _Spec, where: str) -> None:
         raise MergeError(f"{path}: field {where} is {found}, not {expected}: the file is not "
                          "a report that versionwatch run wrote")
     if spec is not None:
-        _check(path, value, spec, where)
+        _check(path, value, cast(_Spec, spec), where)  # one of specs
 
 
 _MISSING = object()
 
 
-def _key(h: dict[str, Any]) -> tuple[str, str, str, str]:
+def _key(h: _HazardDoc) -> tuple[str, str, str, str]:
     site = h.get("backward_site") or {}
     at = f"{site.get('file')}:{site.get('line')}" if site else ""
     return (str(h.get("kind")), str(h.get("tensor")), str(h.get("saved_by")) + (
         f".{h['slot']}" if h.get("slot") else ""), at)
 
 
-def _final_versions(doc: dict[str, Any]) -> dict[str, int]:
+def _final_versions(doc: _ReportDoc) -> dict[str, int]:
     events = (doc.get("timeline") or {}).get("events") or []
     return {k: v for k, v in (events[-1].get("versions") or {}).items()
             if isinstance(v, int)} if events else {}
 
 
-def merge(paths: Sequence[str]) -> dict[str, Any]:
+def merge(paths: Sequence[str]) -> Merged:
     """The summary of the per-rank reports at ``paths`` (schema ``versionwatch.ranks/1``).
 
     Raises:
@@ -129,7 +196,7 @@ def merge(paths: Sequence[str]) -> dict[str, Any]:
         raise MergeError(f"{path} has no rank, unlike the others: it is not the report of a "
                          "rank of the same distributed run")
     # Reports without ranks (single processes) are numbered in the order given.
-    docs = [(doc["rank"] if has else i, path, doc)
+    docs = [(cast(int, doc["rank"]) if has else i, path, doc)  # has: an int
             for i, ((path, doc), has) in enumerate(zip(loaded, ranked))]
     docs.sort(key=lambda d: d[0])
     for (r, first, _), (s, second, _) in zip(docs, docs[1:]):
@@ -137,7 +204,7 @@ def merge(paths: Sequence[str]) -> dict[str, Any]:
             raise MergeError(f"{first} and {second} are both the report of rank {r}: "
                              "give one report per rank")
     ranks = [r for r, _, _ in docs]
-    hazards: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+    hazards: dict[tuple[str, str, str, str], MergedHazard] = {}
     for r, _, doc in docs:
         for h in doc.get("hazards") or []:
             entry = hazards.setdefault(_key(h), {
@@ -160,10 +227,10 @@ def merge(paths: Sequence[str]) -> dict[str, Any]:
         missing = [r for r in range(size) if r not in ranks]
         if missing:
             disagree.append(f"no report from {_ranks_text(missing)} of world size {size}")
-    for h in hazards.values():
-        if h["ranks"] != ranks:
-            disagree.append(f"{h['tensor']} ({h['kind']}, {h['saved_by']}): "
-                            f"only on {_ranks_text(h['ranks'])}")
+    for entry in hazards.values():
+        if entry["ranks"] != ranks:
+            disagree.append(f"{entry['tensor']} ({entry['kind']}, {entry['saved_by']}): "
+                            f"only on {_ranks_text(entry['ranks'])}")
     statuses = {r: doc.get("exit_status") for r, _, doc in docs}
     if len(set(map(str, statuses.values()))) > 1:
         disagree.append("exit status: " + ", ".join(
@@ -189,13 +256,13 @@ def _ranks_text(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _status_text(status: Any) -> str:
+def _status_text(status: int | None) -> str:
     if isinstance(status, int) and status > 128:
         return f"{status} (signal {status - 128})"
     return str(status)
 
 
-def render_merged(summary: dict[str, Any]) -> str:
+def render_merged(summary: Merged) -> str:
     """The text ``versionwatch merge`` prints."""
     ranks = summary["ranks"]
     lines = [f"versionwatch: {len(ranks)} rank reports, "

@@ -27,7 +27,7 @@ import importlib.util
 import os
 import threading
 import time
-from typing import Any
+import types
 
 from versionwatch import _native_state
 from versionwatch._native import build as _native_build
@@ -41,7 +41,7 @@ class _State:
     # True while a decision is being made: its self-test runs the predictor,
     # which must then take its Python path (and not wait for this decision).
     deciding = False
-    module: Any = None
+    module: types.ModuleType | None = None
     line = ""
     graphs = 0
 
@@ -50,7 +50,7 @@ _STATE = _State()
 _LOCK = threading.Lock()
 
 
-def native() -> Any | None:
+def native() -> types.ModuleType | None:
     """The extension module if it is usable here, else ``None``.
 
     The first call decides, once per process: it loads the extension if it is
@@ -156,14 +156,14 @@ def _load(allow_build: bool) -> None:
     _done(ext, f"loaded: {lib} (self-test passed on {graphs} graphs in {took:.0f} ms)")
 
 
-def _done(module: Any, line: str) -> None:
+def _done(module: types.ModuleType | None, line: str) -> None:
     _native_state.CURRENT = module
     _STATE.module = module
     _STATE.line = line
     _STATE.tried = True
 
 
-def _import(path: os.PathLike[str]) -> Any:
+def _import(path: os.PathLike[str]) -> types.ModuleType:
     name = _native_build.extension_name()
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:

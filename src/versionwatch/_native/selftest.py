@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import Node, get_gradient_edge
 
 from versionwatch._predict.api import check, unobserved
@@ -37,7 +38,16 @@ def roots_of(outputs: Sequence[torch.Tensor]) -> list[Node]:
     return found
 
 
-def verdict(ext: Any, roots: Sequence[Node]) -> tuple[Verdict, tuple[int, int, int], list[Any]]:
+class Extension(Protocol):
+    """The native helper's calls that the self-test makes (``native.cpp``'s module methods)."""
+
+    def check(self, roots: Sequence[Node], /) -> tuple[int, int, int]: ...
+
+    def explain(self, roots: Sequence[Node], /) -> list[tuple[str, str, str, str]]: ...
+
+
+def verdict(ext: Extension, roots: Sequence[Node]
+            ) -> tuple[Verdict, tuple[int, int, int], list[tuple[str, str, str, str]]]:
     """The native answer for ``roots``: its verdict, ``check``'s triple, ``explain``'s list."""
     triple = ext.check(roots)
     if triple[2] == 0:
@@ -46,14 +56,20 @@ def verdict(ext: Any, roots: Sequence[Node]) -> tuple[Verdict, tuple[int, int, i
     return ("error" if any(f[2] == "error" for f in found) else "unsure"), triple, found
 
 
+class _SavedCtx(Protocol):
+    # torch's stub types saved_tensors as a 1-tuple.
+    @property
+    def saved_tensors(self) -> tuple[torch.Tensor, ...]: ...
+
+
 class _Custom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(a, b)
         return a * b
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx: _SavedCtx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = ctx.saved_tensors
         return g * b, g * a
 
@@ -165,7 +181,7 @@ def _graphs() -> Iterator[tuple[str, Verdict, Callable[[], list[torch.Tensor]]]]
     yield "two outputs", "clean", two_roots
 
 
-def _compare(ext: Any) -> tuple[str | None, int]:
+def _compare(ext: Extension) -> tuple[str | None, int]:
     # check as defined (bound at import) and unobserved: versionwatch fix's child
     # observes check(), and a program may wrap it; either would take this test's
     # stale graphs for the program's own failures.
@@ -192,7 +208,7 @@ def _compare(ext: Any) -> tuple[str | None, int]:
     return None, count
 
 
-def run(ext: Any) -> tuple[str | None, int]:
+def run(ext: Extension) -> tuple[str | None, int]:
     """Compare ``ext`` with the Python predictor: (the first mismatch or None, graphs run)."""
     result: list[tuple[str | None, int]] = []
 

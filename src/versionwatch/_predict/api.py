@@ -18,7 +18,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import FrameType
-from typing import Any, Union
+from typing import Union
 
 import torch
 from torch.autograd.graph import Node
@@ -37,13 +37,15 @@ from versionwatch._strict.mode import SavedRecord
 
 TensorOrTensors = Union[Edge, Sequence[Edge]]
 Inputs = Union[Edge, Iterable[Edge], Mapping[str, torch.Tensor]]
+# One gradient per output, as torch.autograd.backward's grad_tensors (None: ones for a scalar).
+GradOutputs = Union[torch.Tensor, Sequence[Union[torch.Tensor, None]]]
 
 
 def check(
     outputs: TensorOrTensors,
     *,
     inputs: Inputs | None = None,
-    grad_outputs: Any = None,
+    grad_outputs: GradOutputs | None = None,
     retain_graph: bool | None = None,
     create_graph: bool = False,
     allow_unused: bool | None = None,
@@ -301,7 +303,7 @@ def assert_backward_safe(
     outputs: TensorOrTensors,
     *,
     inputs: Inputs | None = None,
-    grad_outputs: Any = None,
+    grad_outputs: GradOutputs | None = None,
     retain_graph: bool | None = None,
     create_graph: bool = False,
     allow_unused: bool | None = None,

@@ -24,7 +24,7 @@ import operator
 import types
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, NoReturn, Union
+from typing import Any, Callable, Literal, NoReturn, SupportsIndex, TypeVar, Union, cast
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -33,9 +33,10 @@ from versionwatch._report.errors import add_note
 
 Api = Literal["backward", "grad"]
 Edge = Union[torch.Tensor, GradientEdge]
+_T = TypeVar("_T")
 
 # The public functions as torch defines them, taken before a watcher replaces them.
-_TORCH_DEFINED: dict[str, Callable[..., Any]] = {
+_TORCH_DEFINED: dict[str, Callable[..., object]] = {
     "backward": torch.autograd.backward, "grad": torch.autograd.grad}
 
 
@@ -72,16 +73,16 @@ def _typename(x: object) -> str:
 class _Reached(Exception):
     """The copy of PyTorch's function got to the engine with these arguments."""
 
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(self, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         super().__init__()
         self.call = (args, kwargs)
 
 
-def _stop(*args: Any, **kwargs: Any) -> NoReturn:
+def _stop(*args: object, **kwargs: object) -> NoReturn:
     raise _Reached(args, kwargs)
 
 
-def _no_torch_function(*_: Any) -> bool:
+def _no_torch_function(*_: object) -> bool:
     # A subclass's __torch_function__ is user code: a prediction must not run it.
     return False
 
@@ -90,7 +91,7 @@ class _Quiet:
     """``warnings`` for the copy: the real call warns (deprecated arguments) once, itself."""
 
     @staticmethod
-    def warn(*_: Any, **__: Any) -> None:
+    def warn(*_: object, **__: object) -> None:
         return None
 
 
@@ -98,19 +99,19 @@ class _NoVmap:
     """``_vmap_internals`` for the copy: the batched gradients reach the engine unsplit."""
 
     @staticmethod
-    def _vmap(fn: Callable[..., Any], *_: Any, **__: Any) -> Callable[..., Any]:
+    def _vmap(fn: _T, *_: object, **__: object) -> _T:
         return fn
 
 
-def _pass_grads(outputs: Any, grads: Any, **_: Any) -> Any:
+def _pass_grads(outputs: object, grads: _T, **_: object) -> _T:
     return grads
 
 
-def _no_grads(_: Any, length: int) -> tuple[None, ...]:
+def _no_grads(_: object, length: int) -> tuple[None, ...]:
     return (None,) * length
 
 
-def _genuine(api: Api) -> Any:
+def _genuine(api: Api) -> types.FunctionType:
     """PyTorch's own ``torch.autograd.<api>``, behind any wrappers that say what they wrap.
 
     A profiler, a test harness or another tool may have wrapped the function
@@ -118,12 +119,12 @@ def _genuine(api: Api) -> Any:
     what the wrapper closes over, the real function, and run the whole
     backward inside the prediction: only PyTorch's own code is ever copied.
     """
-    fn: Any = _TORCH_DEFINED[api]
+    fn: object = _TORCH_DEFINED[api]
     for _ in range(100):  # a __wrapped__ chain can loop
         code = getattr(fn, "__code__", None)
         if (code is not None and getattr(fn, "__module__", None) == "torch.autograd"
                 and code.co_name == api):
-            return fn
+            return cast(types.FunctionType, fn)
         fn = getattr(fn, "__wrapped__", None)
         if fn is None:
             break
@@ -140,7 +141,7 @@ _HIDDEN_SAID: set[str] = set()
 
 
 @functools.cache
-def _preamble(api: Api, grads: bool) -> Callable[..., Any]:
+def _preamble(api: Api, grads: bool) -> Callable[..., object]:
     """``torch.autograd.<api>`` itself, up to the engine: it raises :class:`_Reached` there.
 
     The copy shares the original's code and all of its module but the names
@@ -159,7 +160,7 @@ def _preamble(api: Api, grads: bool) -> Callable[..., Any]:
     return copy
 
 
-def _provoke(inputs: Callable[[torch.Tensor], tuple[Any, ...]]) -> Exception | None:
+def _provoke(inputs: Callable[[torch.Tensor], tuple[object, ...]]) -> Exception | None:
     """What the engine raises for ``grad(x, inputs(x))``, ``x`` a fresh scalar leaf.
 
     Called straight, past every patch and mode of ours or the user's; the
@@ -220,7 +221,7 @@ def _bad(kind: type[Exception], text: str) -> BadCall:
 
 # -- the checks ---------------------------------------------------------------------
 
-def _outputs(value: Any) -> tuple[Edge, ...]:
+def _outputs(value: object) -> tuple[Edge, ...]:
     """The outputs as a tuple; anything else is our TypeError.
 
     PyTorch's own answer to a non-tensor output is an internal assertion, not a
@@ -244,16 +245,16 @@ def _outputs(value: Any) -> tuple[Edge, ...]:
     return outs
 
 
-def _byte(value: Any) -> None:
+def _byte(value: object) -> None:
     """The engine parses each flag as a C ``unsigned char`` (the ``"b"`` format)."""
-    n = operator.index(value)
+    n = operator.index(cast(SupportsIndex, value))  # raises TypeError for a non-integer
     if n < 0:
         raise OverflowError("unsigned byte integer is less than minimum")
     if n > 255:
         raise OverflowError("unsigned byte integer is greater than maximum")
 
 
-def _check_edges(accumulate: bool, outs: tuple[Edge, ...], ins: tuple[Any, ...]) -> None:
+def _check_edges(accumulate: bool, outs: tuple[Edge, ...], ins: tuple[object, ...]) -> None:
     """The engine's checks of the roots, then of the inputs (``run_backward``)."""
     for i, t in enumerate(outs):
         if isinstance(t, torch.Tensor) and t.grad_fn is None and not t.requires_grad:
@@ -290,7 +291,7 @@ _COMPRESSED = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.spars
                torch.sparse_bsc)
 
 
-def _check_root_grads(outs: tuple[Edge, ...], grads: tuple[Any, ...]) -> None:
+def _check_root_grads(outs: tuple[Edge, ...], grads: tuple[object, ...]) -> None:
     """The engine's checks of the roots' gradients before it runs a node.
 
     ``validate_outputs`` in ``engine.cpp``: shapes and dtypes were settled by
@@ -319,15 +320,15 @@ def _check_root_grads(outs: tuple[Edge, ...], grads: tuple[Any, ...]) -> None:
             ))
 
 
-def _engine(tensors: Any, grad_tensors: Any, keep_graph: Any, create_graph: Any,
-            inputs: Any = None, allow_unreachable: Any = False,
-            accumulate_grad: Any = False) -> dict[str, Any]:
+def _engine(tensors: object, grad_tensors: object, keep_graph: object, create_graph: object,
+            inputs: object = None, allow_unreachable: object = False,
+            accumulate_grad: object = False) -> dict[str, object]:
     """The engine's ``run_backward`` signature, to read what the copy handed it."""
     return locals()
 
 
-def _run(api: Api, grads: bool, args: tuple[Any, ...], kwargs: dict[str, Any],
-         outputs: Any) -> Call:
+def _run(api: Api, grads: bool, args: tuple[object, ...], kwargs: dict[str, object],
+         outputs: object) -> Call:
     """``torch.autograd.<api>(*args, **kwargs)`` up to the first node, every check made.
 
     Raises:
@@ -351,22 +352,23 @@ def _run(api: Api, grads: bool, args: tuple[Any, ...], kwargs: dict[str, Any],
     except (TypeError, OverflowError) as e:
         raise BadCall(e) from None
     outs = _outputs(a["tensors"])
-    roots_grads = tuple(a["grad_tensors"])
+    roots_grads = tuple(cast("Iterable[object]", a["grad_tensors"]))  # _make_grads's tuple
     if len(roots_grads) != len(outs):
         raise BadCall(RuntimeError(f"got {len(outs)} tensors and {len(roots_grads)} gradients"))
     accumulate = bool(a["accumulate_grad"])
-    ins = tuple(a["inputs"] or ())
+    ins = tuple(cast("Iterable[object]", a["inputs"] or ()))
     _check_edges(accumulate, outs, ins)
     _check_root_grads(outs, roots_grads)
     if not accumulate and not ins:
         err = _empty_inputs()
         if err is not None:
             raise _bad(type(err), str(err))
-    return Call(api, outs, ins if ins or not accumulate else None,
+    edges = cast("tuple[Edge, ...]", ins)  # _check_edges let only edges through
+    return Call(api, outs, edges if edges or not accumulate else None,
                 allow_unused=bool(a["allow_unreachable"]))
 
 
-def parse(api: Api, outputs: Any, inputs: Any) -> Call:
+def parse(api: Api, outputs: object, inputs: object) -> Call:
     """The outputs and inputs of a call, with the engine's checks of both.
 
     Raises:
@@ -392,14 +394,14 @@ def parse(api: Api, outputs: Any, inputs: Any) -> Call:
 
 def bind(
     api: Api,
-    outputs: Any,
-    inputs: Any,
-    grad_outputs: Any = None,
-    retain_graph: Any = None,
-    create_graph: Any = False,
-    allow_unused: Any = None,
-    materialize_grads: Any = False,
-    is_grads_batched: Any = False,
+    outputs: object,
+    inputs: object,
+    grad_outputs: object = None,
+    retain_graph: object = None,
+    create_graph: object = False,
+    allow_unused: object = None,
+    materialize_grads: object = False,
+    is_grads_batched: object = False,
 ) -> Call:
     """Every check PyTorch makes of a call's arguments before a node runs, in its order.
 
@@ -442,7 +444,7 @@ def after_run(call: Call, unreached: list[int]) -> None:
         ))
 
 
-def rejected(api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def rejected(api: str, args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
     """Whether PyTorch rejects ``torch.autograd.<api>(*args, **kwargs)`` before a node runs."""
     name = "tensors" if api == "backward" else "outputs"
     try:
@@ -460,13 +462,13 @@ class _Read(Exception):
 class _Unread:
     """A one-shot iterator's stand-in while PyTorch's function is tried: reading it stops."""
 
-    def __init__(self, original: Iterator[Any]) -> None:
+    def __init__(self, original: Iterator[object]) -> None:
         self.original = original
 
     def __iter__(self) -> _Unread:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> NoReturn:
         raise _Read
 
 
@@ -475,14 +477,14 @@ class _UnreadSized(_Unread):
         return len(self.original)  # type: ignore[arg-type]
 
 
-def _stand_in(value: Any) -> Any:
+def _stand_in(value: object) -> object:
     if not isinstance(value, Iterator):
         return value
     return _UnreadSized(value) if hasattr(type(value), "__len__") else _Unread(value)
 
 
-def read_once(args: tuple[Any, ...], kwargs: dict[str, Any], first: str,
-              inputs_at: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def read_once(args: tuple[object, ...], kwargs: dict[str, object], first: str,
+              inputs_at: int) -> tuple[tuple[object, ...], dict[str, object]]:
     """The call's arguments with one-shot iterators (``model.parameters()``) made tuples.
 
     PyTorch reads outputs and inputs once, with ``tuple()``; the prediction

@@ -16,7 +16,7 @@ import gc
 import math
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -28,6 +28,7 @@ from versionwatch._compat import (
     UNREAD,
     USER_FN_ATTR,
     HookedSaved,
+    InputMetadata,
     ProfiledSaved,
     SavedTensor,
     clears_on_access,
@@ -477,7 +478,7 @@ class BlindChecker(Checker):
                 self.checked += 1
             return
         many = isinstance(value, (tuple, list))
-        values = list(value) if many else [value]
+        values = list(cast("Sequence[object]", value)) if many else [value]
         for k, t in enumerate(values):
             if not isinstance(t, torch.Tensor):
                 continue
@@ -533,7 +534,7 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _strict_writes(h: Hazard, base: Any) -> None:
+def _strict_writes(h: Hazard, base: InputMetadata | None) -> None:
     """Strict mode: find the writes of a tensor saved out of reach (in CopySlices).
 
     The wrapped node's saved tensors were packed by strict mode too, but

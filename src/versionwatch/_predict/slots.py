@@ -12,7 +12,6 @@ repairer read a node with one dict lookup. Two node types are special: a custom
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
@@ -69,21 +68,21 @@ def planned(nodes: Sequence[Node], executed: Sequence[bool] | None) -> Iterator[
             yield i, fn, plan
 
 
-def hooked(raw: Any) -> bool:
+def hooked(raw: object) -> bool:
     """Whether the raw saved variable ``raw`` has an unpack hook."""
     return getattr(raw, "unpack_hook", None) is not None
 
 
 # Unpack hooks of ours that return a copy taken before any write: such a slot
 # is checked, never stale. Their owners register them at import (no cycle).
-_TRUSTED: set[Callable[..., Any]] = set()
+_TRUSTED: set[Callable[..., object]] = set()
 
 
-def trust_unpack(hook: Callable[..., Any]) -> None:
+def trust_unpack(hook: Callable[..., object]) -> None:
     """Count a slot behind ``hook`` (an unpack hook of ours) as checked, never stale."""
     _TRUSTED.add(hook)
 
 
-def is_trusted(hook: Any) -> bool:
+def is_trusted(hook: object) -> bool:
     """Whether ``hook`` was registered with :func:`trust_unpack`."""
     return hook in _TRUSTED

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from versionwatch._report.model import DOCUMENTS
 
@@ -22,11 +22,11 @@ SCHEMA = "versionwatch.report/1"
 __all__ = ["SCHEMA", "hazard_dict", "repair_dict", "report_dict"]
 
 
-def _site(site: Site | None) -> dict[str, Any] | None:
+def _site(site: Site | None) -> dict[str, object] | None:
     return None if site is None else {"file": site.file, "line": site.line, "code": site.code}
 
 
-def _modification(m: Modification) -> dict[str, Any]:
+def _modification(m: Modification) -> dict[str, object]:
     w = m.writer
     return {
         "kind": m.kind,
@@ -42,20 +42,20 @@ def _modification(m: Modification) -> dict[str, Any]:
     }
 
 
-def _forward(f: Forward | None) -> dict[str, Any] | None:
+def _forward(f: Forward | None) -> dict[str, object] | None:
     if f is None:
         return None
     return {"forward": f.label, "file": f.site.file if f.site else None,
             "line": f.site.line if f.site else None, "module": f.module}
 
 
-def _event(bound: tuple[str, Site | None]) -> dict[str, Any]:
+def _event(bound: tuple[str, Site | None]) -> dict[str, object]:
     label, site = bound
     return {"event": label, "file": site.file if site else None,
             "line": site.line if site else None}
 
 
-def hazard_dict(h: Hazard, forward: Forward | None) -> dict[str, Any]:
+def hazard_dict(h: Hazard, forward: Forward | None) -> dict[str, object]:
     """``h``'s JSON fields; ``forward`` is the forward that saved it, as the report read it."""
     d = asdict(h)
     d["tensor"] = h.tensor or h.describe_tensor()
@@ -90,14 +90,14 @@ def hazard_dict(h: Hazard, forward: Forward | None) -> dict[str, Any]:
     return d
 
 
-def repair_dict(r: Repair) -> dict[str, Any]:
+def repair_dict(r: Repair) -> dict[str, object]:
     """A repair's JSON fields."""
     return {"tensor": r.tensor, "bytes": r.nbytes, "graph": r.graph,
             "before": r.before, "file": r.site.file if r.site else None,
             "line": r.site.line if r.site else None}
 
 
-def _in_report(r: Report, h: Hazard) -> dict[str, Any]:
+def _in_report(r: Report, h: Hazard) -> dict[str, object]:
     """A hazard's fields and those of the backward of its report."""
     site = r.backward_site
     d = h.to_dict()
@@ -109,9 +109,9 @@ def _in_report(r: Report, h: Hazard) -> dict[str, Any]:
     return d
 
 
-def report_dict(reports: Sequence[Report], *, timeline: dict[str, Any],
+def report_dict(reports: Sequence[Report], *, timeline: dict[str, object],
                 rank: tuple[int, int] | None,
-                run: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                run: Mapping[str, object] | None = None) -> dict[str, object]:
     """The document of one report, or of all a run's reports (``versionwatch run --json``).
 
     Args:
@@ -122,7 +122,7 @@ def report_dict(reports: Sequence[Report], *, timeline: dict[str, Any],
             placed before the rank.
     """
     hazards = [_in_report(r, h) for r in reports for h in r.hazards]
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         "schema": SCHEMA,
         "ok": not hazards,
         "hazards": hazards,

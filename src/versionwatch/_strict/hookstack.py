@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import torch
 
@@ -40,6 +40,7 @@ _NAMES = ("_push_saved_tensors_default_hooks", "_pop_saved_tensors_default_hooks
           "_saved_tensors_hooks_disable", "_saved_tensors_hooks_enable")
 
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+_Packed = TypeVar("_Packed")
 
 
 class _Alive:
@@ -102,8 +103,8 @@ def _suspended() -> list[Entry]:
     return suspended
 
 
-def changes(pack: Callable[[torch.Tensor], Any],
-            unpack: Callable[[Any], torch.Tensor]) -> list[Change]:
+def changes(pack: Callable[[torch.Tensor], _Packed],
+            unpack: Callable[[_Packed], torch.Tensor]) -> list[Change]:
     """Strict mode's part: its hook pair, and a hold on the stack's wrappers."""
 
     def start() -> None:
@@ -118,10 +119,11 @@ def changes(pack: Callable[[torch.Tensor], Any],
     return [Call(start, stop)]
 
 
-def _real(name: str) -> Any:
+def _real(name: str) -> Callable[..., object]:
     """PyTorch's own entry point: what our patch replaced while it is in place."""
     patch = _PATCHES[name]
-    return patch.old if patch.on else getattr(_C, name)
+    real: Callable[..., object] = patch.old if patch.on else getattr(_C, name)
+    return real
 
 
 def push() -> Entry:
@@ -255,7 +257,8 @@ def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-def _push(pack_hook: Any, unpack_hook: Any) -> None:
+def _push(pack_hook: Callable[[torch.Tensor], object],
+          unpack_hook: Callable[..., torch.Tensor]) -> None:
     if _in_backward():
         _real("_push_saved_tensors_default_hooks")(pack_hook, unpack_hook)
         return
@@ -295,7 +298,7 @@ def _pop() -> None:
         del shadow[below]
 
 
-def _disable(message: str, *args: Any, **kwargs: Any) -> None:
+def _disable(message: str, *args: object, **kwargs: object) -> None:
     settle()
     real_disable = _real("_saved_tensors_hooks_disable")
     shadow = _shadow()

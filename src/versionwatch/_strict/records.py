@@ -484,11 +484,11 @@ def _writer(module: nn.Module, files: list[str]) -> Writer:
     return Writer(name or cls, text, built, cls)
 
 
-def _module_call(call_impl: Callable[..., Any]) -> Callable[..., Any]:
+def _module_call(call_impl: Callable[..., object]) -> Callable[..., object]:
     names, local = _NAMES, THREAD
 
     @functools.wraps(call_impl)
-    def _call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def _call_impl(self: nn.Module, *args: object, **kwargs: object) -> object:
         stack = local.modules
         if stack is None:
             stack = local.modules = []

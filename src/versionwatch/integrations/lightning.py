@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from types import FunctionType
-from typing import Any
 
 import torch
 
@@ -159,7 +158,7 @@ class VersionWatch(pl.Callback):
 
     # -- training ------------------------------------------------------------------------
     def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
     ) -> None:
         if self.watcher is not None and self._open:
             # A row of the timeline, and the "saved during" of a hazard when
@@ -284,7 +283,7 @@ def _notes(err: BaseException) -> list[str]:
     return [n for n in notes if isinstance(n, str) and n.startswith("versionwatch")]
 
 
-def _definition_site(fn: Any) -> Site | None:
+def _definition_site(fn: object) -> Site | None:
     """``file:line`` of a method's ``def``, for the ``training_step #n`` rows."""
     while hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__

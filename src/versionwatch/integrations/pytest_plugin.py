@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Generator
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn, cast
 
 import pytest
 
-from versionwatch._watch.policy import POLICIES, env_problem
+from versionwatch._watch.policy import POLICIES, Policy, env_problem
 
-_KEY = pytest.StashKey[Any]()
+if TYPE_CHECKING:
+    import pluggy
+
+    from versionwatch._watch.auto import AutoWatcher
+
+_KEY = pytest.StashKey["AutoWatcher"]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -63,7 +68,7 @@ def _usage_error(item: pytest.Item, problem: str) -> NoReturn:
 
 
 def _marker_policy(item: pytest.Item, marker: pytest.Mark,
-                   strict: bool) -> tuple[Any, bool, bool]:
+                   strict: bool) -> tuple[Policy, bool, bool]:
     """``(on_hazard, strict, stop_at_write)`` from ``@pytest.mark.versionwatch(...)``."""
     usage = "@pytest.mark.versionwatch(on_hazard='raise', strict=False, stop_at_write=False)"
     if len(marker.args) > 1:
@@ -93,7 +98,7 @@ def _marker_policy(item: pytest.Item, marker: pytest.Mark,
     return policy, flags[0], flags[1]
 
 
-def _policy(item: pytest.Item) -> tuple[Any, bool, bool] | None:
+def _policy(item: pytest.Item) -> tuple[Policy, bool, bool] | None:
     """``(on_hazard, strict, stop_at_write)`` for a watched test, else ``None``."""
     config = item.config
     strict = bool(config.getoption("versionwatch_strict"))
@@ -101,11 +106,12 @@ def _policy(item: pytest.Item) -> tuple[Any, bool, bool] | None:
     if marker is not None:
         return _marker_policy(item, marker, strict)
     if config.getoption("versionwatch") or strict:
-        return str(config.getoption("versionwatch_on_hazard")), strict, False
+        # One of POLICIES: the option's choices.
+        return cast(Policy, str(config.getoption("versionwatch_on_hazard"))), strict, False
     return None
 
 
-def _open(item: pytest.Item, policy: tuple[Any, bool, bool]) -> Any:
+def _open(item: pytest.Item, policy: tuple[Policy, bool, bool]) -> AutoWatcher:
     watcher = item.stash.get(_KEY, None)
     if watcher is None:
         problem = env_problem()
@@ -136,7 +142,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
 
 
 @pytest.fixture(name="versionwatch")
-def versionwatch_fixture(request: pytest.FixtureRequest) -> Any:
+def versionwatch_fixture(request: pytest.FixtureRequest) -> AutoWatcher:
     """The test's watcher (opened for this test if the test isn't watched already)."""
     item = request.node
     return _open(item, _policy(item) or ("raise", False, False))
@@ -148,7 +154,7 @@ _SENTENCES = ("modified by an inplace operation", "backward through the graph a 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None],
-                              ) -> Generator[None, Any, None]:
+                              ) -> Generator[None, pluggy.Result[pytest.TestReport], None]:
     outcome = yield
     if not item.config.getoption("versionwatch_fix") or call.when != "call" \
             or call.excinfo is None:
