@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.autograd.graph import Node
 
-    from versionwatch._strict.records import SavedRecord
 
 SavedTensor: Any = torch._C._autograd.SavedTensor
 
@@ -232,7 +231,8 @@ class ProfiledSaved(HookedSaved):
 
 class _Peek(threading.local):
     active = False
-    records: list[SavedRecord] | None = None
+    # strict mode's records (_strict.records.SavedRecord): a leaf does not import them
+    records: list[object] | None = None
 
 
 PEEK = _Peek()
@@ -265,7 +265,7 @@ def _trap(frame: FrameType, event: str, arg: object) -> None:
     raise HookedSaved
 
 
-def peek(owner: Node, attr: str) -> tuple[object, list[SavedRecord]]:
+def peek(owner: Node, attr: str) -> tuple[object, list[object]]:
     """Read ``getattr(owner, attr)`` (a saved-tensor getter) with every Python call refused.
 
     Returns what it read and the strict records that strict mode's own
@@ -292,7 +292,7 @@ def peek(owner: Node, attr: str) -> tuple[object, list[SavedRecord]]:
                 "hides which saved tensors have hooks: saved tensors are not verified while "
                 "it runs (see docs/versions.md)")
         raise ProfiledSaved
-    records: list[SavedRecord] = []
+    records: list[object] = []
     PEEK.records = records
     PEEK.active = True
     # A user's dispatch mode or tensor subclass would see the unpacked tensors

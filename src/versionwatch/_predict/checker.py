@@ -56,7 +56,7 @@ from versionwatch._report.model import (
 )
 from versionwatch._runtime import Anchor, Patch
 from versionwatch._strict.records import RECORDS as _RECORDS
-from versionwatch._strict.records import SavedRecord, output_of
+from versionwatch._strict.records import SavedRecord, output_of, strict_message
 from versionwatch._strict.records import unpack as _strict_unpack
 from versionwatch._torch_messages import (
     FREED,
@@ -67,7 +67,6 @@ from versionwatch._torch_messages import (
     message_shape,
     message_type,
     stale_index,
-    strict_message,
 )
 
 _SavedTensor: Any = SavedTensor
@@ -446,7 +445,9 @@ class BlindChecker(Checker):
 
     def _peek_slot(self, i: int, fn: Node, slot: str, raw_attr: str, saved_attr: str) -> None:
         try:
-            value, records = peek(fn, saved_attr)
+            value, found = peek(fn, saved_attr)
+            # what strict mode's unpack hook handed peek: its own records
+            records = cast("list[SavedRecord]", found)
         except ProfiledSaved:
             self._unsure(fn.name(), slot, UNSURE_PROFILER)
             return

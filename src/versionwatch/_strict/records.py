@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.autograd.graph import Node
 
 from versionwatch._built import built_at
 from versionwatch._compat import PEEK as _PEEK
@@ -30,7 +31,7 @@ from versionwatch._runtime import Call, Change, Patch, add_probe
 from versionwatch._sites import _is_library, is_library, site_at
 from versionwatch._strict import hookstack as _hookstack
 from versionwatch._strict.thread import THREAD, end_step
-from versionwatch._torch_messages import strict_message
+from versionwatch._torch_messages import output_slot, result_nr, stale_message
 
 
 class SavedRecord:
@@ -532,3 +533,48 @@ def _stop() -> None:
 # Storages with saved records: emptied when the last strict watcher closes.
 add_probe("strict records", lambda: len(RECORDS))
 allow_in_peek(unpack)
+
+
+def strict_message(rec: SavedRecord, node: Node | None, slot: str | None = None,
+                   output: int | None = None) -> str:
+    """PyTorch's error for strict mode's record ``rec`` of a tensor that ``node`` saved.
+
+    PyTorch names a producer for a saved output (its own node) and for a view
+    of a leaf that requires grad (the ``AsStrided`` node that a stale view's
+    grad_fn is rebuilt as), and for a saved input the grad_fn that input has
+    now; a leaf has none. Strict mode holds that input weakly: once the
+    program has dropped it (a helper's local), the name is the one it had after
+    the last write that hit the record (``rec.written_fn``), as PyTorch's would be.
+
+    Args:
+        rec: the :class:`~versionwatch._strict.mode.SavedRecord`.
+        node: the node that saved it (the one unpacking it), or None.
+        slot: the node's slot that holds it, when known (else it is looked for).
+        output: which output of ``node`` it is, when strict mode saw it saved as
+            one (a custom Function's ``save_for_backward`` of its own output).
+    """
+    t = rec.tensor
+    producer, nr = None, 0
+    if node is not None and output is not None:
+        producer, nr = node.name(), output
+    elif node is not None:
+        found = result_nr(slot) if slot is not None else output_slot(node, rec)
+        if found is not None:
+            producer, nr = node.name(), found
+    if producer is None:
+        # Unwatched, PyTorch keeps a saved input itself and names the grad_fn it
+        # has when backward reads it (after `b.add_(1)`, AddBackward0).
+        ref = getattr(rec, "original", None)
+        original = ref() if ref is not None else None
+        written = getattr(rec, "written_fn", None)
+        if original is not None:
+            fn = original.grad_fn
+            if fn is not None:
+                producer, nr = fn.name(), original.output_nr
+        elif written is not None:
+            # Dropped since: the grad_fn it had after the last write that hit it.
+            producer, nr = written
+        elif rec.ids[1] is not None and (ref is not None or rec.requires_grad):
+            # A stale view's grad_fn is rebuilt from its base as AsStrided.
+            producer = "AsStridedBackward0"
+    return stale_message(t, t._version, rec.version, producer, nr)

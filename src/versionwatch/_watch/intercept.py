@@ -41,7 +41,7 @@ from versionwatch._sites import site_from
 from versionwatch._watch.active import _LOCAL, ACTIVE, current, thread_stack
 
 if TYPE_CHECKING:
-    from versionwatch._watch.optimizers import OptimizerState
+    from versionwatch._watch.optimizer_state import OptimizerState
     from versionwatch._watch.protocols import OpenWatcher
 
 

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from versionwatch._ledger import Ledger
     from versionwatch._repair.repairer import Repairer
     from versionwatch._report.model import Report, Site
+    from versionwatch._runtime import Removable
     from versionwatch._timeline import Timeline
-    from versionwatch._watch.optimizers import OptimizerState
+    from versionwatch._watch.optimizer_state import OptimizerState
 
 # What a forward's first call to ``_on_forward`` returns and its second takes:
 # (the forward's number, the versions before it when read on the no-grad path).
@@ -105,3 +106,11 @@ class InScope(Blamed, Protocol):
     _silent_on: dict[int, int]  # param id -> the thread that clock was read on
 
     def _share(self, report: Report) -> None: ...
+
+
+class Lender(Protocol):
+    """A watcher that lends its root modules to a watcher opened inside its span
+    (``watch_all``'s :class:`~versionwatch.AutoWatcher`), declared here so that the
+    watcher does not import its subclass."""
+
+    def _lend(self, module: nn.Module) -> Removable: ...

@@ -20,7 +20,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -46,12 +46,10 @@ from versionwatch._watch.active import ACTIVE, LOCK, thread_stack
 from versionwatch._watch.backward import BackwardPipeline
 from versionwatch._watch.forward_events import ForwardRecorder
 from versionwatch._watch.intercept import PATCHES
-from versionwatch._watch.optimizers import OptimizerState, OptimizerTracker
+from versionwatch._watch.optimizer_state import OptimizerState
+from versionwatch._watch.optimizers import OptimizerTracker
 from versionwatch._watch.policy import Policy, resolve_policy
-from versionwatch._watch.protocols import ForwardToken, InScope
-
-if TYPE_CHECKING:
-    from versionwatch._watch.auto import AutoWatcher
+from versionwatch._watch.protocols import ForwardToken, InScope, Lender
 
 logger = logging.getLogger("versionwatch")
 
@@ -232,11 +230,12 @@ class Watcher:
     def _borrow(self, module: nn.Module) -> None:
         """Take ``module`` from every automatic watcher for this watcher's span."""
         for other in ACTIVE:
-            if other is not self and cast("Watcher", other).lends_roots and not other.closed:
-                lender = cast("AutoWatcher", other)
-                self._held.append(lender._lend(module))
-                if not any(r() is lender for r in self._lenders):
-                    self._lenders.append(weakref.ref(lender))
+            watcher = cast("Watcher", other)
+            if watcher is not self and watcher.lends_roots and not watcher.closed:
+                # lends_roots: an AutoWatcher, which the watcher does not import
+                self._held.append(cast("Lender", watcher)._lend(module))
+                if not any(r() is watcher for r in self._lenders):
+                    self._lenders.append(weakref.ref(watcher))
 
     def _predict(self, outputs: Any, inputs: Any, api: str, names: dict[int, str],
                  silent: dict[int, int] | None) -> Report:
