@@ -39,8 +39,8 @@ _OPERATORS = {"|", "||", "&", "&&", ";", "<", ">", ">>", "(", ")"}
 def _run(argv: list[str]) -> None:
     """Run a command in this (child) process as its own process would run it."""
     prog, args = argv[0], argv[1:]
-    if prog == "versionwatch":  # the console script: versionwatch._cli.main:main
-        from versionwatch._cli.main import main as console_script
+    if prog == "versionwatch":  # the console script: versionwatch._cli.command:main
+        from versionwatch._cli.command import main as console_script
 
         sys.argv = ["versionwatch", *args]
         sys.path[0] = os.path.dirname(sys.executable)  # the script's folder

@@ -706,7 +706,7 @@ def test_signal_during_replay_keeps_the_first_report(
     tmp_path, status, err = replays_interrupted[how]
     sig = signal.SIGTERM if how == "sigterm" else signal.SIGINT
     assert status == -sig, err
-    assert "_cli/replay.py" not in err and "_cli/main.py" not in err, err
+    assert "_cli/replay.py" not in err and "_cli/command.py" not in err, err
     # The program's own traceback (its hazard) is there; nothing after the replay began.
     assert err.count("Traceback") == 1, err
     doc = json.loads((tmp_path / "o.json").read_text())

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from versionwatch._cli.main import main
+from versionwatch._cli.command import main
 
 PROGRAMS = Path(__file__).parent / "explain_programs"
 MODES = {"default": [], "strict": ["--strict"], "replay": ["--replay"]}

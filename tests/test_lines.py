@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from versionwatch._cli.main import main
+from versionwatch._cli.command import main
 
 ACT = textwrap.dedent("""\
     import torch

@@ -25,7 +25,7 @@ import os
 import pytest
 
 from test_docs import ROOT, blocks
-from versionwatch._cli.main import main
+from versionwatch._cli.command import main
 
 PAGE = ROOT / "docs" / "patterns.md"
 FAILS = ("versionwatch: backward will fail", "versionwatch: backward will compute wrong")

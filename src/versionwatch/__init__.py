@@ -10,17 +10,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from versionwatch._fix.command import FixResult, fix
-    from versionwatch._predict.api import assert_backward_safe, check
-    from versionwatch._report.errors import (
+    from versionwatch._fix import FixResult, fix
+    from versionwatch._predict import assert_backward_safe, check
+    from versionwatch._report import (
+        Fix,
         FreedGraphError,
+        Hazard,
         InplaceHazardWarning,
         InplaceModificationError,
+        Modification,
+        Repair,
+        Report,
+        Site,
     )
-    from versionwatch._report.model import Fix, Hazard, Modification, Repair, Report, Site
     from versionwatch._timeline import Timeline
-    from versionwatch._watch.auto import AutoWatcher, watch_all
-    from versionwatch._watch.watcher import Watcher, watch
+    from versionwatch._watch import AutoWatcher, Watcher, watch, watch_all
 
 __all__ = [
     "AutoWatcher",
@@ -42,33 +46,35 @@ __all__ = [
     "watch",
     "watch_all",
 ]
-from versionwatch._package import __version__ as __version__
-
-# The text and Graphviz renderers that str(report) and report.to_dot() use
-# register themselves: loaded with the package, so that a report made from
-# versionwatch._report.model alone, or unpickled in another process, still renders.
+# The renderers and the JSON builder that str(report), report.to_dot() and
+# report.to_dict() use register themselves when the _report folder loads: loaded
+# with the package, so that a report unpickled in another process still renders.
 # Plain Python, no torch.
-from versionwatch._report import text as _render  # noqa: F401
+from versionwatch import _report as _report
+from versionwatch._package import __version__ as __version__
+from versionwatch._package import keep_old_names
+
+keep_old_names()  # old module paths that outside tools import (the peer harness)
 
 _WHERE = {
-    "AutoWatcher": "_watch.auto",
-    "watch_all": "_watch.auto",
-    "FreedGraphError": "_report.errors",
-    "InplaceHazardWarning": "_report.errors",
-    "InplaceModificationError": "_report.errors",
-    "assert_backward_safe": "_predict.api",
-    "check": "_predict.api",
-    "Fix": "_report.model",
-    "FixResult": "_fix.command",
-    "fix": "_fix.command",
-    "Hazard": "_report.model",
-    "Modification": "_report.model",
-    "Repair": "_report.model",
-    "Report": "_report.model",
-    "Site": "_report.model",
+    "AutoWatcher": "_watch",
+    "watch_all": "_watch",
+    "FreedGraphError": "_report",
+    "InplaceHazardWarning": "_report",
+    "InplaceModificationError": "_report",
+    "assert_backward_safe": "_predict",
+    "check": "_predict",
+    "Fix": "_report",
+    "FixResult": "_fix",
+    "fix": "_fix",
+    "Hazard": "_report",
+    "Modification": "_report",
+    "Repair": "_report",
+    "Report": "_report",
+    "Site": "_report",
     "Timeline": "_timeline",
-    "Watcher": "_watch.watcher",
-    "watch": "_watch.watcher",
+    "Watcher": "_watch",
+    "watch": "_watch",
 }
 
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from versionwatch._cli.main import main
+from versionwatch._cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

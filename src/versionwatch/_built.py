@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-from versionwatch._report.model import Site
+from versionwatch._report import Site
 from versionwatch._sites import is_library, site_at
 
 # (filename, its source) -> the parsed source (None if it does not parse): by the

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from versionwatch import _native_state
-from versionwatch._report.model import ForwardRef, Hazard, Modification, Site
+from versionwatch._report import ForwardRef, Hazard, Modification, Site
 
 
 class Event(NamedTuple):

@@ -12,7 +12,7 @@ from types import FrameType
 import torch
 
 from versionwatch._package import PACKAGE_DIR
-from versionwatch._report.model import Site, relative_path
+from versionwatch._report import Site, relative_path
 
 _LIBRARY_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, PACKAGE_DIR)
 # Frames of these packages are skipped too, so that GradScaler, Accelerate's

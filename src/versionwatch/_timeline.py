@@ -10,7 +10,7 @@ from versionwatch._ledger import Event
 
 if TYPE_CHECKING:
     from versionwatch._ledger import Ledger
-    from versionwatch._report.model import Hazard
+    from versionwatch._report import Hazard
 
 
 class Timeline:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from versionwatch._report.model import BACKWARD_SUFFIX
+from versionwatch._report import BACKWARD_SUFFIX
 
 if TYPE_CHECKING:
     import torch

@@ -8,3 +8,43 @@ statements (``moves``) and a graph freed by an earlier backward (``freed``). It 
 below the watcher, so that a report's fix line can come from the same candidates;
 running and judging a candidate is ``_fix``'s.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from versionwatch._candidates.edits import propose as propose
+    from versionwatch._candidates.facts import FixFacts as FixFacts
+    from versionwatch._candidates.facts import Line as Line
+    from versionwatch._candidates.facts import from_report as from_report
+    from versionwatch._candidates.facts import shown as shown
+    from versionwatch._candidates.shared import Candidate as Candidate
+    from versionwatch._candidates.shared import Sources as Sources
+    from versionwatch._candidates.shared import backward_after as backward_after
+    from versionwatch._candidates.source import line_map as line_map
+
+# Each name loads its module on first use, as the package's own names do: importing
+# one module of the folder costs no other (the pytest plugin, at start-up), and
+# ``python -m`` of a module here finds it not yet imported.
+_WHERE = {
+    "backward_after": "versionwatch._candidates.shared",
+    "Candidate": "versionwatch._candidates.shared",
+    "FixFacts": "versionwatch._candidates.facts",
+    "from_report": "versionwatch._candidates.facts",
+    "Line": "versionwatch._candidates.facts",
+    "line_map": "versionwatch._candidates.source",
+    "propose": "versionwatch._candidates.edits",
+    "shown": "versionwatch._candidates.facts",
+    "Sources": "versionwatch._candidates.shared",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

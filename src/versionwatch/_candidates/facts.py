@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from versionwatch._report.model import Hazard, Modification, Report, Site
+from versionwatch._report import Hazard, Modification, Report, Site
 
 Kind = Literal["inplace", "freed", "silent"]
 Use = Literal["forward", "data"]

@@ -338,7 +338,7 @@ def candidate(family: str, summary: str, src: Source, edits: list[Edit],
 
 
 def saver(facts: FixFacts) -> str:
-    from versionwatch._report.advice import op_name
+    from versionwatch._report import op_name
 
     return f"`{op_name(facts.node)}`" if facts.node else "the op that saved it"
 

@@ -99,8 +99,7 @@ for _ in range(3):
 
 def show_fix(server: object) -> None:
     """``versionwatch fix train.py`` on the blog's loop: the first verified patch."""
-    from versionwatch._fix.command import fix
-    from versionwatch._fix.server import ForkServer
+    from versionwatch._fix import ForkServer, fix
 
     here = os.getcwd()
     lines = ["$ versionwatch fix train.py    # the blog's loop, as a script"]
@@ -127,7 +126,7 @@ def _server() -> object:
     """A fork server for step 4, started now: it imports torch while steps 1-3 run."""
     if not hasattr(os, "fork"):
         return None
-    from versionwatch._fix.server import ForkServer
+    from versionwatch._fix import ForkServer
 
     return ForkServer()
 

@@ -15,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from versionwatch._watch.auto import AutoWatcher
+    from versionwatch._watch import AutoWatcher
 
 __all__ = ["output_error", "write_file", "write_outputs"]
 
@@ -25,8 +25,7 @@ def write_outputs(args: argparse.Namespace, watcher: AutoWatcher, status: int,
     """Write ``--json``, ``--dot`` and ``--svg`` for the run so far; each rank its own files."""
     from versionwatch._cli.merge import rank_path
     from versionwatch._distributed import rank as current_rank
-    from versionwatch._report.document import report_dict
-    from versionwatch._report.model import Report
+    from versionwatch._report import Report, report_dict
 
     reports: list[Report] = list(watcher.reports)
     # The group is torn down by now in most programs, and a rank whose process

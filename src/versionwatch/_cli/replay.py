@@ -23,8 +23,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from versionwatch._report.advice import fix_for
-from versionwatch._report.model import Hazard, Modification, Report, Site, Writer
+from versionwatch._report import Hazard, Modification, Report, Site, Writer, fix_for
 
 # The folder this versionwatch is imported from (resolved before any chdir).
 _SOURCES = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -36,11 +36,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from versionwatch._candidates.edits import Candidate
-from versionwatch._candidates.facts import shown
-from versionwatch._candidates.source import line_map
+from versionwatch._candidates import Candidate, line_map, shown
 from versionwatch._fix.server import ForkServer, environment
-from versionwatch._report.model import Report
+from versionwatch._report import Report
 
 
 @dataclass

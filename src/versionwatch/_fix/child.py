@@ -50,7 +50,7 @@ from versionwatch._package import PACKAGE_DIR
 from versionwatch._sites import is_library
 
 if TYPE_CHECKING:
-    from versionwatch._report.model import Report
+    from versionwatch._report import Report
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OUR_DIR = PACKAGE_DIR
@@ -217,7 +217,7 @@ class Tracker:
         whether or not the program goes on to run it. ``assert_backward_safe``
         calls ``check``, so one observer sees both.
         """
-        from versionwatch._predict.api import CHECK_OBSERVERS
+        from versionwatch._predict import CHECK_OBSERVERS
 
         def observe(report: Report, frame: FrameType) -> None:
             if not report.ok and not getattr(self.local, "depth", 0):
@@ -358,7 +358,7 @@ class Tracker:
     def predicted(self, report: Any, frame: FrameType | None) -> NoReturn:
         """A hazard found before any backward ran (``check()``, or a watcher at a write):
         the failure of the next backward, at the line that found it."""
-        from versionwatch._predict.api import raise_for
+        from versionwatch._predict import raise_for
 
         k = self.n + 1
         self.records.append({"n": k, "site": self._site(_user_frame(frame)), "before": True})
@@ -369,13 +369,13 @@ class Tracker:
         raise AssertionError("raise_for raised nothing for a report with hazards")
 
     def fail(self, k: int, err: BaseException) -> NoReturn:
-        from versionwatch._report.errors import FreedGraphError, InplaceModificationError
+        from versionwatch._report import FreedGraphError, InplaceModificationError
 
         r = self.result = {"status": "failed", "exit": 1, "failed_at": k,
                            "error": _one_line(err), "ours": False}
         report = getattr(err, "report", None)
         if isinstance(err, (InplaceModificationError, FreedGraphError)) and report is not None:
-            from versionwatch._candidates.facts import from_report
+            from versionwatch._candidates import from_report
 
             h = report.hazards[0]
             r["ours"] = True
@@ -401,7 +401,7 @@ class Tracker:
         self.finish(r["status"], 1)
 
     def error(self, err: BaseException) -> NoReturn:
-        from versionwatch._report.errors import FreedGraphError, InplaceModificationError
+        from versionwatch._report import FreedGraphError, InplaceModificationError
 
         tb = traceback.extract_tb(err.__traceback__)
         if isinstance(err, (InplaceModificationError, FreedGraphError)) and getattr(
@@ -490,7 +490,7 @@ def main(argv: Sequence[str]) -> int:
         sys.path[0] = os.path.dirname(os.path.realpath(program[0]))
     watcher = None
     if spec.get("watch", "default") != "none":
-        from versionwatch._watch.auto import watch_all
+        from versionwatch._watch import watch_all
 
         os.environ.pop("VERSIONWATCH_ON_HAZARD", None)  # a check raises at every hazard
         watcher = watch_all(on_hazard="raise", strict=spec.get("watch") == "strict")

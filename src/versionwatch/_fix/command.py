@@ -27,12 +27,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from versionwatch._candidates.edits import Candidate, Sources, propose
-from versionwatch._candidates.facts import FixFacts, Line, shown
-from versionwatch._candidates.shared import backward_after
+from versionwatch._candidates import (
+    Candidate,
+    FixFacts,
+    Line,
+    Sources,
+    backward_after,
+    propose,
+    shown,
+)
 from versionwatch._fix.check import Run, judge, run_child, write_scratch
 from versionwatch._fix.server import ForkServer
-from versionwatch._report.model import Fix, Report
+from versionwatch._report import Fix, Report
 
 USAGE = ("versionwatch fix [--check-steps N] [--timeout SECONDS] [--jobs N] [--fresh] [--apply] "
          "[--json PATH] [--facts PATH] (SCRIPT | -m MODULE | -c CODE | -) [ARGS...]")
@@ -268,7 +274,7 @@ def unchecked(report: Report, main: str | None = None) -> list[Fix]:
     has a report in hand (the Lightning callback). ``main``: the program's main
     script, searched for in-place modules. Each one's ``why`` says how to check it.
     """
-    from versionwatch._candidates.facts import from_report
+    from versionwatch._candidates import from_report
 
     if not report.hazards:
         return []
@@ -382,7 +388,7 @@ def render(result: FixResult) -> str:
 
 def to_json(result: FixResult, target: str | None) -> dict[str, Any]:
     """The run's document (schema ``versionwatch.report/1``) with the candidates in it."""
-    from versionwatch._report.document import SCHEMA
+    from versionwatch._report import SCHEMA
 
     original = result.original
     report = (original.report if original else None) or {}

@@ -22,7 +22,7 @@ import torch
 from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import Node, get_gradient_edge
 
-from versionwatch._predict.api import check, unobserved
+from versionwatch._predict import check, unobserved
 
 Verdict = str  # "clean", "error" or "unsure"
 

@@ -6,3 +6,61 @@ graph walk (``graph``), the engine simulated (``engine``), the saved-tensor chec
 (``checker``) and where each node keeps its saved tensors (``slots``). ``api`` also
 holds the explicit seam for observers of ``check`` (``CHECK_OBSERVERS``).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from versionwatch._predict.api import CHECK_OBSERVERS as CHECK_OBSERVERS
+    from versionwatch._predict.api import GATE as GATE
+    from versionwatch._predict.api import assert_backward_safe as assert_backward_safe
+    from versionwatch._predict.api import check as check
+    from versionwatch._predict.api import predict as predict
+    from versionwatch._predict.api import raise_for as raise_for
+    from versionwatch._predict.api import unobserved as unobserved
+    from versionwatch._predict.arguments import BadCall as BadCall
+    from versionwatch._predict.arguments import read_once as read_once
+    from versionwatch._predict.arguments import rejected as rejected
+    from versionwatch._predict.graph import Graph as Graph
+    from versionwatch._predict.graph import lease as lease
+    from versionwatch._predict.slots import COPY_SLICES as COPY_SLICES
+    from versionwatch._predict.slots import CUSTOM as CUSTOM
+    from versionwatch._predict.slots import PLANS as PLANS
+    from versionwatch._predict.slots import plan_of as plan_of
+    from versionwatch._predict.slots import planned as planned
+    from versionwatch._predict.slots import trust_unpack as trust_unpack
+
+# Each name loads its module on first use, as the package's own names do: importing
+# one module of the folder costs no other (the pytest plugin, at start-up), and
+# ``python -m`` of a module here finds it not yet imported.
+_WHERE = {
+    "assert_backward_safe": "versionwatch._predict.api",
+    "BadCall": "versionwatch._predict.arguments",
+    "check": "versionwatch._predict.api",
+    "CHECK_OBSERVERS": "versionwatch._predict.api",
+    "COPY_SLICES": "versionwatch._predict.slots",
+    "CUSTOM": "versionwatch._predict.slots",
+    "GATE": "versionwatch._predict.api",
+    "Graph": "versionwatch._predict.graph",
+    "lease": "versionwatch._predict.graph",
+    "plan_of": "versionwatch._predict.slots",
+    "planned": "versionwatch._predict.slots",
+    "PLANS": "versionwatch._predict.slots",
+    "predict": "versionwatch._predict.api",
+    "raise_for": "versionwatch._predict.api",
+    "read_once": "versionwatch._predict.arguments",
+    "rejected": "versionwatch._predict.arguments",
+    "trust_unpack": "versionwatch._predict.slots",
+    "unobserved": "versionwatch._predict.api",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

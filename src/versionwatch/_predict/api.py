@@ -30,10 +30,8 @@ from versionwatch._predict import engine as _engine
 from versionwatch._predict.arguments import Api, BadCall, Call, Edge, after_run, bind, parse
 from versionwatch._predict.checker import CHECKER
 from versionwatch._predict.graph import Graph, lease
-from versionwatch._report.advice import fix_for
-from versionwatch._report.errors import FreedGraphError, InplaceModificationError
-from versionwatch._report.model import Report
-from versionwatch._strict.mode import SavedRecord
+from versionwatch._report import FreedGraphError, InplaceModificationError, Report, fix_for
+from versionwatch._strict import SavedRecord
 
 TensorOrTensors = Union[Edge, Sequence[Edge]]
 Inputs = Union[Edge, Iterable[Edge], Mapping[str, torch.Tensor]]
@@ -194,7 +192,7 @@ def predict(
         BadCall: PyTorch rejects the outputs or inputs.
     """
     call = parse(api, outputs, inputs)
-    gate = _GATE.fn
+    gate = GATE.fn
     if call.inputs is None and not silent:
         ext = _native_state.CURRENT  # decided by the watcher's first backward
         # Native only while this thread is alone: the gate then needs no nodes
@@ -215,7 +213,7 @@ class _Gate(threading.local):
     fn: Callable[[Sequence[Node]], None] | None = None
 
 
-_GATE = _Gate()
+GATE = _Gate()
 
 
 def _predict(

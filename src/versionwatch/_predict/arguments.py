@@ -29,7 +29,7 @@ from typing import Any, Callable, Literal, NoReturn, SupportsIndex, TypeVar, Uni
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from versionwatch._report.errors import add_note
+from versionwatch._report import add_note
 
 Api = Literal["backward", "grad"]
 Edge = Union[torch.Tensor, GradientEdge]

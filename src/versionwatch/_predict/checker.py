@@ -45,7 +45,7 @@ from versionwatch._predict.slots import (
     plan_of,
     planned,
 )
-from versionwatch._report.model import (
+from versionwatch._report import (
     BACKWARD_SUFFIX,
     UNSURE_CHECKPOINT,
     UNSURE_CLEARS,
@@ -55,9 +55,9 @@ from versionwatch._report.model import (
     Hazard,
 )
 from versionwatch._runtime import Anchor, Patch
-from versionwatch._strict.records import RECORDS as _RECORDS
-from versionwatch._strict.records import SavedRecord, output_of, strict_message
-from versionwatch._strict.records import unpack as _strict_unpack
+from versionwatch._strict import RECORDS as _RECORDS
+from versionwatch._strict import SavedRecord, output_of, strict_message
+from versionwatch._strict import unpack as _strict_unpack
 from versionwatch._torch_messages import (
     FREED,
     PRODUCER_RE,

@@ -47,12 +47,19 @@ from versionwatch._compat import (
     allow_in_peek,
     peek,
 )
-from versionwatch._predict.graph import Graph, lease
-from versionwatch._predict.slots import COPY_SLICES, CUSTOM, PLANS, plan_of, planned, trust_unpack
+from versionwatch._predict import (
+    COPY_SLICES,
+    CUSTOM,
+    PLANS,
+    Graph,
+    lease,
+    plan_of,
+    planned,
+    trust_unpack,
+)
 from versionwatch._repair.copies import copy_as_laid_out, span_bytes
 from versionwatch._repair.strict_hits import strict_hits
-from versionwatch._report.errors import InplaceHazardWarning
-from versionwatch._report.model import Repair, Site, size
+from versionwatch._report import InplaceHazardWarning, Repair, Site, size
 from versionwatch._sites import user_frame
 from versionwatch._torch_messages import FREED
 

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from versionwatch._report.model import Repair, Site
+from versionwatch._report import Repair, Site
 
 if TYPE_CHECKING:
-    from versionwatch._strict.mode import SavedRecord
+    from versionwatch._strict import SavedRecord
 
     # Tensors a write is about to hit, each with a record that saved its memory.
     Hits = list[tuple[torch.Tensor, SavedRecord]]

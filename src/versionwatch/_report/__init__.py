@@ -7,5 +7,68 @@ and warnings that carry a report. Loading the folder registers the renderers and
 the JSON builders with the model, so a report made or unpickled anywhere renders.
 """
 
+from __future__ import annotations
+
 from versionwatch._report import document as document
 from versionwatch._report import text as text
+from versionwatch._report.advice import fix_for, op_name
+from versionwatch._report.document import SCHEMA, report_dict
+from versionwatch._report.errors import (
+    FreedGraphError,
+    InplaceHazardWarning,
+    InplaceModificationError,
+    add_note,
+)
+from versionwatch._report.model import (
+    BACKWARD_SUFFIX,
+    UNSURE_CHECKPOINT,
+    UNSURE_CLEARS,
+    UNSURE_COPY_SLICES,
+    UNSURE_ERROR,
+    UNSURE_PROFILER,
+    Between,
+    Carrier,
+    Fix,
+    Forward,
+    ForwardRef,
+    Hazard,
+    Modification,
+    Repair,
+    Report,
+    Site,
+    Writer,
+    relative_path,
+    size,
+)
+from versionwatch._report.text import render_report
+
+__all__ = [
+    "BACKWARD_SUFFIX",
+    "SCHEMA",
+    "UNSURE_CHECKPOINT",
+    "UNSURE_CLEARS",
+    "UNSURE_COPY_SLICES",
+    "UNSURE_ERROR",
+    "UNSURE_PROFILER",
+    "Between",
+    "Carrier",
+    "Fix",
+    "Forward",
+    "ForwardRef",
+    "FreedGraphError",
+    "Hazard",
+    "InplaceHazardWarning",
+    "InplaceModificationError",
+    "Modification",
+    "Repair",
+    "Report",
+    "Site",
+    "Writer",
+    "add_note",
+    "fix_for",
+    "op_name",
+    "relative_path",
+    "render_report",
+    "report_dict",
+    "size",
+]

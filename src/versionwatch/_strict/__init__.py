@@ -8,3 +8,49 @@ watcher (``mode``). It sits below the predictor, which reads its records, and
 declares the faces it needs of a watcher and a repairer (``StrictOwner``,
 ``StrictRepairer``) itself.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from versionwatch._strict.mode import attach as attach
+    from versionwatch._strict.records import RECORDS as RECORDS
+    from versionwatch._strict.records import SavedRecord as SavedRecord
+    from versionwatch._strict.records import name_modules as name_modules
+    from versionwatch._strict.records import output_of as output_of
+    from versionwatch._strict.records import saved_line as saved_line
+    from versionwatch._strict.records import strict_message as strict_message
+    from versionwatch._strict.records import unpack as unpack
+    from versionwatch._strict.thread import THREAD as THREAD
+    from versionwatch._strict.thread import begin_step as begin_step
+    from versionwatch._strict.thread import end_step as end_step
+    from versionwatch._strict.writes import on_write as on_write
+
+# Each name loads its module on first use, as the package's own names do: importing
+# one module of the folder costs no other (the pytest plugin, at start-up), and
+# ``python -m`` of a module here finds it not yet imported.
+_WHERE = {
+    "attach": "versionwatch._strict.mode",
+    "begin_step": "versionwatch._strict.thread",
+    "end_step": "versionwatch._strict.thread",
+    "name_modules": "versionwatch._strict.records",
+    "on_write": "versionwatch._strict.writes",
+    "output_of": "versionwatch._strict.records",
+    "RECORDS": "versionwatch._strict.records",
+    "saved_line": "versionwatch._strict.records",
+    "SavedRecord": "versionwatch._strict.records",
+    "strict_message": "versionwatch._strict.records",
+    "THREAD": "versionwatch._strict.thread",
+    "unpack": "versionwatch._strict.records",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

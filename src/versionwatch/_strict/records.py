@@ -25,8 +25,8 @@ from torch.autograd.graph import Node
 from versionwatch._built import built_at
 from versionwatch._compat import PEEK as _PEEK
 from versionwatch._compat import HookedSaved, allow_in_peek, peek, sequence_nr, storage_address
-from versionwatch._report.model import BACKWARD_SUFFIX as _BACKWARD_SUFFIX
-from versionwatch._report.model import ForwardRef, Hazard, Modification, Site, Writer
+from versionwatch._report import BACKWARD_SUFFIX as _BACKWARD_SUFFIX
+from versionwatch._report import ForwardRef, Hazard, Modification, Site, Writer
 from versionwatch._runtime import Call, Change, Patch, add_probe
 from versionwatch._sites import _is_library, is_library, site_at
 from versionwatch._strict import hookstack as _hookstack

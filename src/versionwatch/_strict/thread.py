@@ -12,7 +12,7 @@ import threading
 from types import CodeType, FrameType
 from typing import Any
 
-from versionwatch._report.model import ForwardRef
+from versionwatch._report import ForwardRef
 
 
 class _Thread(threading.local):

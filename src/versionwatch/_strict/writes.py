@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from versionwatch._compat import jit_builtins
-from versionwatch._report.model import Modification, Site, Writer
+from versionwatch._report import Modification, Site, Writer
 from versionwatch._runtime import Change, Entry, Patch, Registry
 from versionwatch._sites import site_at, user_frames, user_site
 from versionwatch._strict.records import (
@@ -44,7 +44,7 @@ from versionwatch._strict.records import (
 from versionwatch._strict.thread import THREAD, in_step
 
 if TYPE_CHECKING:
-    from versionwatch._report.model import Hazard
+    from versionwatch._report import Hazard
 
 # In-place methods that change metadata only, never memory.
 _METADATA_ONLY = frozenset({

@@ -7,3 +7,86 @@ open (``active``), where the training loop's events enter (``intercept``, and
 backwards in flight on other threads (``inflight``), zero-code watching (``auto``)
 and the typed faces the interception points call (``protocols``).
 """
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+import types
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from versionwatch._report import Report
+    from versionwatch._runtime import Registry
+    from versionwatch._watch.auto import AutoWatcher as AutoWatcher
+    from versionwatch._watch.auto import watch_all as watch_all
+    from versionwatch._watch.backward import ReplayStop as ReplayStop
+    from versionwatch._watch.policy import POLICIES as POLICIES
+    from versionwatch._watch.policy import Policy as Policy
+    from versionwatch._watch.policy import env_problem as env_problem
+    from versionwatch._watch.policy import resolve_policy as resolve_policy
+    from versionwatch._watch.protocols import OpenWatcher
+    from versionwatch._watch.watcher import Watcher as Watcher
+    from versionwatch._watch.watcher import watch as watch
+
+# Each name loads its module on first use, as the package's own names do: importing
+# one module of the folder costs no other (the pytest plugin, at start-up), and
+# ``python -m`` of a module here finds it not yet imported.
+_WHERE = {
+    "AutoWatcher": "versionwatch._watch.auto",
+    "env_problem": "versionwatch._watch.policy",
+    "POLICIES": "versionwatch._watch.policy",
+    "Policy": "versionwatch._watch.policy",
+    "ReplayStop": "versionwatch._watch.backward",
+    "resolve_policy": "versionwatch._watch.policy",
+    "watch": "versionwatch._watch.watcher",
+    "watch_all": "versionwatch._watch.auto",
+    "Watcher": "versionwatch._watch.watcher",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+# -- by hand: the peer harness's names ---------------------------------------------
+# The peer harness (shared/peer/vw_oracle.py, outside this repository) was written
+# when this folder was one module: it reads ``Watcher``, ``_ACTIVE`` and ``_LOCAL``
+# here and replaces ``predict`` here to observe each prediction. The old names stay
+# readable, and a ``predict`` set here becomes the watcher's (``watcher.predict``,
+# which it looks up at each backward). Nothing of ours uses these names.
+
+
+class _Folder(types.ModuleType):
+    @property
+    def predict(self) -> Callable[..., Report]:
+        from versionwatch._watch import watcher
+
+        return watcher.predict
+
+    @predict.setter
+    def predict(self, fn: Callable[..., Report]) -> None:
+        from versionwatch._watch import watcher
+
+        watcher.predict = fn
+
+    @property
+    def _ACTIVE(self) -> Registry[OpenWatcher]:
+        from versionwatch._watch.active import ACTIVE
+
+        return ACTIVE
+
+    @property
+    def _LOCAL(self) -> threading.local:
+        from versionwatch._watch.active import _LOCAL
+
+        return _LOCAL
+
+
+sys.modules[__name__].__class__ = _Folder

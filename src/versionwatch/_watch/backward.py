@@ -17,19 +17,18 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from versionwatch import _strict
 from versionwatch._compat import seq_clock
 from versionwatch._ledger import Ledger
-from versionwatch._predict.api import _GATE
-from versionwatch._predict.arguments import BadCall, rejected
-from versionwatch._report.model import Report, Site
-from versionwatch._strict import mode as _strict
+from versionwatch._predict import GATE, BadCall, rejected
+from versionwatch._report import Report, Site
 from versionwatch._watch import blame as _blame
 from versionwatch._watch import inflight as _inflight
 from versionwatch._watch.active import _LOCAL, LOCK
 from versionwatch._watch.protocols import InScope
 
 if TYPE_CHECKING:
-    from versionwatch._repair.repairer import Repairer
+    from versionwatch._repair import Repairer
 
 __all__ = ["BackwardPipeline", "ReplayStop"]
 
@@ -144,15 +143,15 @@ class BackwardPipeline:
         try:
             # The prediction's gate, set inline: a generator-based context
             # manager costs about as much as the rest of this preamble.
-            gate = _GATE.fn
-            _GATE.fn = functools.partial(_inflight.depart, flight)
+            gate = GATE.fn
+            GATE.fn = functools.partial(_inflight.depart, flight)
             try:
                 report: Report | None = host._predict(outputs, inputs, api, names,
                                                       silent or None)
             except (TypeError, ValueError, BadCall):
                 report = None  # PyTorch will say what is wrong with the arguments
             finally:
-                _GATE.fn = gate
+                GATE.fn = gate
             if report is not None and not report.ok and arguments is not None \
                     and rejected(api, *arguments):
                 report = None  # PyTorch rejects the arguments before any saved tensor: its error

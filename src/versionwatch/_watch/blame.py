@@ -17,15 +17,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from versionwatch import _distributed
+from versionwatch import _distributed, _strict
 from versionwatch._compat import SAVED_INTROSPECTION
 from versionwatch._ledger import Tracked
-from versionwatch._report.advice import fix_for
-from versionwatch._report.errors import add_note
-from versionwatch._report.model import Between, Carrier, Hazard, Modification, Report, Site
-from versionwatch._report.text import render_report
+from versionwatch._report import (
+    Between,
+    Carrier,
+    Hazard,
+    Modification,
+    Report,
+    Site,
+    add_note,
+    fix_for,
+    render_report,
+)
 from versionwatch._sites import site_at, user_frame
-from versionwatch._strict import mode as _strict
 from versionwatch._torch_messages import VERSION_RE as _VERSION_RE
 from versionwatch._watch.carrier import freed_facts
 

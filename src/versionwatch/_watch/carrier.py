@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 
 from versionwatch._built import assignment, parsed
 from versionwatch._ledger import Event, Ledger
-from versionwatch._report.model import Between, Carrier, Forward, Hazard, Modification, Site
+from versionwatch._report import Between, Carrier, Forward, Hazard, Modification, Site
 from versionwatch._sites import site_at
 
 # The walk to the boundary gives up past this many nodes (a huge graph): the

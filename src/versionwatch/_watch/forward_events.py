@@ -16,12 +16,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from versionwatch import _strict
 from versionwatch._compat import seq_clock
 from versionwatch._ledger import Ledger
 from versionwatch._naming import module_tensors
-from versionwatch._report.model import Modification
+from versionwatch._report import Modification
 from versionwatch._sites import user_site
-from versionwatch._strict import mode as _strict
 from versionwatch._watch.protocols import ForwardToken
 
 __all__ = ["ForwardRecorder"]

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from versionwatch._package import PACKAGE_DIR
-from versionwatch._report.model import Report, Site
+from versionwatch._report import Report, Site
 
 # How often a waiting prediction looks again at what the flights it waits for
 # run (see the module's docstring): a wait ends on a condition, never after a

@@ -35,7 +35,7 @@ from versionwatch._compat import (
     warm_dynamo,
 )
 from versionwatch._functorch import in_functorch_transform
-from versionwatch._predict.arguments import read_once
+from versionwatch._predict import read_once
 from versionwatch._runtime import Anchor, Call, Change, Entry, Hook, Patch
 from versionwatch._sites import site_from
 from versionwatch._watch.active import _LOCAL, ACTIVE, current, thread_stack

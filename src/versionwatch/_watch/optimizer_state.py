@@ -14,7 +14,7 @@ import torch
 from torch.optim import Optimizer
 
 from versionwatch._ledger import Tracked
-from versionwatch._report.model import Site
+from versionwatch._report import Site
 
 
 class PendingStep(NamedTuple):

@@ -21,17 +21,17 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from versionwatch import _strict
 from versionwatch._compat import seq_clock
 from versionwatch._ledger import Ledger, Tracked
 from versionwatch._naming import module_tensors
-from versionwatch._report.model import Modification, Site
+from versionwatch._report import Modification, Site
 from versionwatch._sites import site_from, user_site
-from versionwatch._strict import mode as _strict
 from versionwatch._watch.active import _LOCAL
 from versionwatch._watch.optimizer_state import OptimizerState, ParamCache, PendingStep, group_ids
 
 if TYPE_CHECKING:
-    from versionwatch._repair.repairer import Repairer
+    from versionwatch._repair import Repairer
 
 logger = logging.getLogger("versionwatch")
 

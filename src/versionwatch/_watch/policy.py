@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from typing import Callable, Literal, Union
 
-from versionwatch._native.build import mode_problem
-from versionwatch._report.model import Report
+from versionwatch._native import mode_problem
+from versionwatch._report import Report
 
 Policy = Union[Literal["raise", "warn", "log", "repair"], Callable[[Report], object]]
 POLICIES = ("raise", "warn", "log", "repair")

@@ -24,8 +24,8 @@ from torch.optim import Optimizer
 
 if TYPE_CHECKING:
     from versionwatch._ledger import Ledger
-    from versionwatch._repair.repairer import Repairer
-    from versionwatch._report.model import Report, Site
+    from versionwatch._repair import Repairer
+    from versionwatch._report import Report, Site
     from versionwatch._runtime import Removable
     from versionwatch._timeline import Timeline
     from versionwatch._watch.optimizer_state import OptimizerState

@@ -26,19 +26,16 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from versionwatch import _distributed
+from versionwatch import _distributed, _native, _strict
 from versionwatch._ledger import Ledger
 from versionwatch._naming import has_fsdp
-from versionwatch._native import loader as _native
-from versionwatch._predict.api import predict, raise_for
-from versionwatch._repair.repairer import Repairer
-from versionwatch._report.advice import fix_for
-from versionwatch._report.errors import InplaceHazardWarning
-from versionwatch._report.model import Hazard, Repair, Report, Site
+from versionwatch._predict import predict as predict  # the seam observers replace
+from versionwatch._predict import raise_for
+from versionwatch._repair import Repairer
+from versionwatch._report import Hazard, InplaceHazardWarning, Repair, Report, Site, fix_for
 from versionwatch._runtime import Removable, remove_all
 from versionwatch._sites import user_frame, user_frame_from
-from versionwatch._strict import mode as _strict
-from versionwatch._strict.mode import SavedRecord
+from versionwatch._strict import SavedRecord
 from versionwatch._timeline import Timeline, of_ledger
 from versionwatch._watch import blame as _blame
 from versionwatch._watch import forward as _forward

@@ -32,12 +32,10 @@ except ImportError:  # pragma: no cover - depends on what is installed
             "pip install 'versionwatch[lightning]' (or lightning>=2.0, or pytorch_lightning)"
         ) from err
 
-from versionwatch._report.errors import FreedGraphError, InplaceModificationError
-from versionwatch._report.model import Report, Site
+from versionwatch._report import FreedGraphError, InplaceModificationError, Report, Site
 from versionwatch._sites import _short
 from versionwatch._timeline import Timeline
-from versionwatch._watch.policy import Policy, resolve_policy
-from versionwatch._watch.watcher import Watcher, watch
+from versionwatch._watch import Policy, Watcher, resolve_policy, watch
 
 __all__ = ["VersionWatch"]
 
@@ -224,7 +222,7 @@ class VersionWatch(pl.Callback):
         import os
         import sys
 
-        from versionwatch._fix.command import unchecked
+        from versionwatch._fix import unchecked
 
         main = sys.argv[0] if sys.argv and os.path.isfile(sys.argv[0]) else None
         fixes = unchecked(report, main=os.path.abspath(main) if main else None)

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, NoReturn, cast
 
 import pytest
 
-from versionwatch._watch.policy import POLICIES, Policy, env_problem
+from versionwatch._watch import POLICIES, Policy, env_problem
 
 if TYPE_CHECKING:
     import pluggy
 
-    from versionwatch._watch.auto import AutoWatcher
+    from versionwatch._watch import AutoWatcher
 
 _KEY = pytest.StashKey["AutoWatcher"]()
 
@@ -117,7 +117,7 @@ def _open(item: pytest.Item, policy: tuple[Policy, bool, bool]) -> AutoWatcher:
         problem = env_problem()
         if problem is not None:
             _usage_error(item, problem)
-        from versionwatch._watch.auto import watch_all
+        from versionwatch._watch import watch_all
 
         watcher = watch_all(on_hazard=policy[0], strict=policy[1], stop_at_write=policy[2])
         item.stash[_KEY] = watcher
@@ -174,8 +174,8 @@ def _fix_test(item: pytest.Item, err: BaseException) -> str:
     """``versionwatch fix`` on ``python -m pytest NODEID``: the best verified patch, as text."""
     import os
 
-    from versionwatch._candidates.facts import shown
-    from versionwatch._fix.command import fix
+    from versionwatch._candidates import shown
+    from versionwatch._fix import fix
 
     root = str(item.config.rootpath)
     program = ["-m", "pytest", item.nodeid, "-q", "-p", "no:cacheprovider",

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 from versionwatch._cli.outputs import write_file, write_outputs
 from versionwatch._cli.sigterm import TermGuard, threads_left
 from versionwatch._package import PACKAGE_DIR
-from versionwatch._watch.policy import POLICIES
+from versionwatch._watch import POLICIES
 
 if TYPE_CHECKING:
     from versionwatch._cli.replay import Child
-    from versionwatch._watch.auto import AutoWatcher
+    from versionwatch._watch import AutoWatcher
 
 USAGE = """\
 versionwatch run [--on-hazard raise|warn|log|repair] [--json PATH] [--dot PATH] [--svg PATH]
@@ -110,7 +110,7 @@ def _print_uncaught(err: BaseException) -> None:
     versionwatch's own errors the torch and versionwatch frames between the user's
     backward call and the raise are dropped too.
     """
-    from versionwatch._report.errors import FreedGraphError, InplaceModificationError
+    from versionwatch._report import FreedGraphError, InplaceModificationError
     from versionwatch._sites import is_library
 
     ours = isinstance(err, (InplaceModificationError, FreedGraphError))
@@ -209,9 +209,8 @@ def _exec_main(code: CodeType, file: str, loader: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import versionwatch
     from versionwatch._cli.replay import send_report, tie_to_parent
-    from versionwatch._watch.backward import ReplayStop
+    from versionwatch._watch import ReplayStop, watch_all
 
     if args.module:
         # As python -m: "-m" until runpy finds the module and puts its file there.
@@ -257,7 +256,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         # As python: the script's folder, symlinks resolved.
         sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
-    watcher = versionwatch.watch_all(on_hazard="log" if child else args.on_hazard,
+    watcher = watch_all(on_hazard="log" if child else args.on_hazard,
                                      strict=args.strict, stop_at_write=args.stop_at_write)
     run = _Session(args, watcher, saved_argv, saved_path0)
     if child is not None:
@@ -471,7 +470,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _summary(watcher: AutoWatcher, err: BaseException | None) -> None:
-    from versionwatch._report.errors import FreedGraphError, InplaceModificationError
+    from versionwatch._report import FreedGraphError, InplaceModificationError
 
     reports = list(watcher.reports)
     n = sum(1 for r in reports if r.hazards and r.hazards[0].detected != "at_write")
@@ -527,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["fix"]:  # its own options, parsed like run's: see _fix.main
-        from versionwatch._fix.command import main as fix
+        from versionwatch._fix import main as fix
 
         return fix(argv[1:])
     if argv[:1] == ["run"]:
@@ -541,14 +540,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "merge":
         return _merge(args)
     if args.command == "run":
-        from versionwatch._watch.policy import env_problem
+        from versionwatch._watch import env_problem
 
         problem = env_problem()
         if problem is not None:  # as argparse says a bad --on-hazard, before anything runs
             print(f"versionwatch run: error: {problem}", file=sys.stderr)
             return 2
     if args.command == "native":
-        from versionwatch._native.loader import command
+        from versionwatch._native import command
 
         return command(args.action, getattr(args, "timeout", 900.0),
                        getattr(args, "force", False), getattr(args, "verbose", False))
