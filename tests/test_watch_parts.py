@@ -74,3 +74,33 @@ def test_an_automatic_watchers_roots_reach_its_methods(monkeypatch: pytest.Monke
     assert dict(calls) == {"__init__": 1, "_adopt_root": 1}
     assert [e.label for e in w.ledger.events if e.kind == "forward"] == [
         "model.forward #1", "model.forward #2"]
+
+
+def test_the_peer_harness_old_module_names_still_work() -> None:
+    """The peer harness imports ``versionwatch._auto`` and sets ``versionwatch._watch.predict``
+    as it did when both were modules: the same classes, and the watcher's own seam."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "import versionwatch._auto as A\n"
+        "import versionwatch._watch as W\n"
+        "from versionwatch._watch import auto, watcher\n"
+        "assert A is auto and A.AutoWatcher is auto.AutoWatcher and W.Watcher is watcher.Watcher\n"
+        "assert W._ACTIVE is not None and W._LOCAL is not None\n"
+        "seen = []\n"
+        "real = W.predict\n"
+        "def observe(*args):\n"
+        "    seen.append(args[2])\n"
+        "    return real(*args)\n"
+        "W.predict = observe\n"
+        "assert watcher.predict is observe and W.predict is observe\n"
+        "m = torch.nn.Linear(2, 1)\n"
+        "with W.watch(m):\n"
+        "    m(torch.ones(1, 2)).sum().backward()\n"
+        "print(seen)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['backward']"

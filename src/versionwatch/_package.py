@@ -4,10 +4,13 @@ A leaf (no torch, nothing else of the package), so that any module, the native
 build and the fix child included, reads these without importing the package.
 """
 
-import importlib
+import importlib.abc
+import importlib.util
 import os
 import sys
 import types
+from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
 
 __version__ = "0.1.0"
 
@@ -16,15 +19,23 @@ __version__ = "0.1.0"
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-class _Moved(types.ModuleType):
-    """A module that moved into a folder, importable under its old name, loaded on use."""
+# Old name -> new name of each module that tools outside this repository import.
+_MOVED = {"versionwatch._auto": "versionwatch._watch.auto"}
 
-    def __init__(self, old: str, new: str) -> None:
-        super().__init__(old)
-        self.__new = new
 
-    def __getattr__(self, name: str) -> object:
-        return getattr(importlib.import_module(self.__new), name)
+class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds a moved module under its old name: the one module object, imported on use."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: types.ModuleType | None = None) -> ModuleSpec | None:
+        return importlib.util.spec_from_loader(fullname, self) if fullname in _MOVED else None
+
+    def create_module(self, spec: ModuleSpec) -> types.ModuleType:
+        # The module itself, not a second copy: its classes stay the ones in use.
+        return importlib.import_module(_MOVED[spec.name])
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass  # imported already, under its new name
 
 
 def keep_old_names() -> None:
@@ -32,7 +43,7 @@ def keep_old_names() -> None:
 
     The peer harness (shared/peer/vw_oracle.py) imports ``versionwatch._auto``,
     which is ``versionwatch._watch.auto`` now. Nothing is imported until the old
-    module is used.
+    name is.
     """
-    sys.modules.setdefault("versionwatch._auto", _Moved("versionwatch._auto",
-                                                        "versionwatch._watch.auto"))
+    if not any(isinstance(f, _Moved) for f in sys.meta_path):
+        sys.meta_path.append(_Moved())
