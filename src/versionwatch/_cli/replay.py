@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import selectors
-import signal
 import subprocess
 import sys
 import threading
@@ -23,14 +22,13 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from versionwatch._process import end, environment, exited, kill_group, start, terminate, wait
+from versionwatch._process import tie_to_parent as tie_to_parent  # the child's side, for main
 from versionwatch._report import Hazard, Modification, Report, Site, Writer, fix_for
 
-# The folder this versionwatch is imported from (resolved before any chdir).
-_SOURCES = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The child's own option, N:PARENT:DEATH_FD:REPORT_FD: stop at backward N, write the
 # report to REPORT_FD, die when DEATH_FD (a pipe from PARENT) closes.
 CHILD_OPTION = "--replay-child"
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # How often the replay's wait looks whether its child has exited, and how long it
 # reads the pipes after that.
 _LOOK_S = 0.05
@@ -124,8 +122,7 @@ class Child:
             return None, f"was interrupted ({self.stopped})"
         try:
             report, said = self._exchange(proc, report_r)
-            _kill_group(proc, signal.SIGKILL)  # if every pipe closed before it exited
-            status = proc.wait()
+            status = end(proc)  # its group too, if every pipe closed before it exited
         except BaseException as e:  # Ctrl-C, most likely: the group goes
             self.stop("Ctrl-C" if isinstance(e, KeyboardInterrupt) else type(e).__name__)
             raise
@@ -171,9 +168,9 @@ class Child:
                     proc.stdin.close()
             deadline: float | None = None
             while sel.get_map():
-                if deadline is None and _has_exited(proc):
+                if deadline is None and exited(proc):
                     # What the replayed program left running goes with it.
-                    _kill_group(proc, signal.SIGKILL)
+                    kill_group(proc)
                     deadline = time.monotonic() + _DRAIN_S
                 if deadline is not None and time.monotonic() > deadline:
                     break
@@ -197,7 +194,7 @@ class Child:
                         sel.unregister(fd)
                         proc.stdin.close()
             if deadline is None:
-                _wait_exited(proc)  # every pipe closed: it is exiting
+                wait(proc)  # every pipe closed: it is exiting (not reaped: its group stays named)
         return b"".join(chunks[report_r]), b"".join(chunks[proc.stderr.fileno()])
 
     def _start(self, death_r: int, death_w: int,
@@ -207,17 +204,14 @@ class Child:
                 CHILD_OPTION, child, "--", *self.command]
         if self.command[:1] == ["-m"]:  # `--` would make "-m" the script's name
             argv = [*argv[:argv.index("--")], *self.command]
-        # This very versionwatch replays, wherever the program's folder puts
-        # sys.path (a relative PYTHONPATH, another copy installed).
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_SOURCES, env.get("PYTHONPATH")) if p)
         with self._lock:
             if self.stopped is not None:
                 os.close(death_w)
                 return None
-            self._proc = subprocess.Popen(
-                argv, cwd=self.cwd, env=env, pass_fds=(death_r, report_w),
-                start_new_session=True,
+            # This very versionwatch replays, wherever the program's folder puts
+            # sys.path (a relative PYTHONPATH, another copy installed).
+            self._proc = start(
+                argv, cwd=self.cwd, env=environment(), pass_fds=(death_r, report_w),
                 stdin=subprocess.PIPE if self.source is not None else subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             self._death_w = death_w
@@ -231,14 +225,7 @@ class Child:
             proc = self._proc
         if proc is None:
             return False
-        running = not _has_exited(proc)
-        if running:
-            # A program's own SIGTERM handler gets its say, briefly.
-            _kill_group(proc, signal.SIGTERM)
-            deadline = time.monotonic() + 2
-            while not _has_exited(proc) and time.monotonic() < deadline:
-                time.sleep(0.02)
-        _kill_group(proc, signal.SIGKILL)
+        running = terminate(proc)  # a program's own SIGTERM handler gets its say, briefly
         self._close_death_pipe()
         return running
 
@@ -249,78 +236,12 @@ class Child:
             os.close(death_w)
 
 
-def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    # The child leads its group (start_new_session) and, until it is reaped,
-    # its pid cannot name another group.
-    if proc.returncode is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _wait_exited(proc: subprocess.Popen[bytes]) -> None:
-    """Wait until the child has exited, without reaping it (its group stays named)."""
-    if hasattr(os, "waitid"):
-        try:
-            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
-        except ChildProcessError:  # reaped already, by stop()
-            pass
-    else:
-        proc.wait()
-
-
-def _has_exited(proc: subprocess.Popen[bytes]) -> bool:
-    if proc.returncode is not None:
-        return True
-    if hasattr(os, "waitid"):
-        try:
-            return os.waitid(os.P_PID, proc.pid,
-                             os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        except ChildProcessError:
-            return True
-    return proc.poll() is not None
-
-
 def _read(fd: int) -> bytes:
     # Called when select says the pipe is readable: data, or b"" at its end.
     try:
         return os.read(fd, 1 << 16)
     except OSError:
         return b""
-
-
-def tie_to_parent(parent: int, death_fd: int, pdeathsig: bool = True) -> None:
-    """The child's side of :class:`Child`: die with ``parent``, however it dies.
-
-    ``pdeathsig=False`` leaves the pipe alone to do it, as on macOS.
-    """
-    os.set_inheritable(death_fd, False)  # not the replayed program's to pass on
-    if pdeathsig and sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass  # the pipe below still ties us
-    thread = threading.Thread(target=_await_parent, args=(death_fd,), daemon=True,
-                              name="versionwatch-replay-parent")
-    thread.start()
-    if os.getppid() != parent:  # it died before the tie was made: nothing would tell us
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-
-
-def _await_parent(fd: int) -> None:
-    # The parent never writes: the read returns b"" when its end closes, as it
-    # does when the parent dies, however it dies.
-    try:
-        while os.read(fd, 64):
-            pass
-    except OSError:
-        pass
-    os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 def send_report(fd: int, data: dict[str, Any]) -> None:

@@ -28,7 +28,6 @@ import base64
 import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from versionwatch._candidates import Candidate, line_map, shown
-from versionwatch._fix.server import ForkServer, environment
+from versionwatch._fix.server import ForkServer
+from versionwatch._process import end, environment, start, wait
 from versionwatch._report import Report
 
 
@@ -95,25 +95,21 @@ def run_child(program: list[str], *, scratch: dict[str, str] | None = None,
                        "record_upto": record_upto, "grads_upto": grads_upto,
                        "grads_at": list(grads_at), "out": out, "cwd": os.getcwd()}, f)
         err_path = spec_path[:-5] + ".err"
-        start = time.monotonic()
+        began = time.monotonic()
         answer = server.run(spec_path, err_path, timeout) if server is not None else None
         if answer is not None:
             code, timed_out = answer
         else:
             with open(err_path, "wb") as err:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "versionwatch._fix.child", spec_path],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                    env=environment(), start_new_session=True)
-                timed_out = False
+                proc = start([sys.executable, "-m", "versionwatch._fix.child", spec_path],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                             env=environment())
                 try:
-                    proc.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
+                    timed_out = not wait(proc, timeout)
                 finally:
-                    _kill_group(proc)
-                code = proc.returncode
-        seconds = time.monotonic() - start
+                    # The child and whatever it started (its own group), and reaped.
+                    code = end(proc)
+        seconds = time.monotonic() - began
         stderr = ""
         if os.path.exists(err_path):
             with open(err_path, "rb") as f:
@@ -132,15 +128,6 @@ def run_child(program: list[str], *, scratch: dict[str, str] | None = None,
     finally:
         if own:
             _rmtree(folder)
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """End the child and whatever it started (its own session), and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
 
 
 def _rmtree(path: str) -> None:

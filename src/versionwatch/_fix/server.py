@@ -13,22 +13,13 @@ import contextlib
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
-from versionwatch._package import PACKAGE_DIR
-
-
-def environment() -> dict[str, str]:
-    """The program's environment, with this very versionwatch importable first."""
-    env = dict(os.environ)
-    here = os.path.dirname(os.path.dirname(PACKAGE_DIR))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    return env
+from versionwatch._process import end, environment, signal_group, start, wait
 
 
 class ForkServer:
@@ -53,10 +44,9 @@ class ForkServer:
     """
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "versionwatch._fix.server"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=environment(), start_new_session=True)
+        self.proc = start([sys.executable, "-m", "versionwatch._fix.server"],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, env=environment())
         self.lock = threading.Lock()
         self.next_id = 0
         self.answers: dict[int, queue.Queue[dict[str, Any]]] = {}
@@ -97,12 +87,12 @@ class ForkServer:
                 except queue.Empty:
                     timed_out = True
                     if pid is not None:
-                        kill(pid)
+                        signal_group(pid)  # the run leads its own group (see serve)
                     continue
                 if "pid" in message:
                     pid = message["pid"]
                     if timed_out:
-                        kill(pid)
+                        signal_group(pid)
                 elif "refused" in message:
                     return None
                 elif "exit" in message:
@@ -115,16 +105,10 @@ class ForkServer:
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            kill(self.proc.pid)
-            self.proc.wait()
-
-
-def kill(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+        # Its stdin closed, the server ends once its last run has; one that
+        # does not within 30 s is killed with its group. Reaped either way.
+        wait(self.proc, 30)
+        end(self.proc, leftovers=False)
 
 
 def _fork_unsafe() -> str | None:

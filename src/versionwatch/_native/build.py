@@ -21,13 +21,14 @@ import functools
 import hashlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from versionwatch._process import end, start, wait
 
 ENV_MODE = "VERSIONWATCH_NATIVE"
 ENV_DIR = "VERSIONWATCH_NATIVE_DIR"
@@ -189,18 +190,18 @@ def build(timeout: float = DEFAULT_TIMEOUT, *, force: bool = False,
     """
     if timeout <= 0:
         raise ValueError(f"timeout must be positive; got {timeout!r}")
-    start = time.monotonic()
+    began = time.monotonic()
     name = extension_name()
     where = build_dir()
     lib = library_path()
     where.mkdir(parents=True, exist_ok=True)
     with _locked(cache_root() / f"{name}.lock", timeout) as held:
         if not held:
-            return BuildResult(False, time.monotonic() - start,
+            return BuildResult(False, time.monotonic() - began,
                                f"another build of {name} has held its lock for over "
                                f"{timeout:g} s ({cache_root() / (name + '.lock')})")
         if lib.exists() and not force:
-            return BuildResult(True, time.monotonic() - start, f"already built: {lib}")
+            return BuildResult(True, time.monotonic() - began, f"already built: {lib}")
         # No build of ours runs now (we hold the lock): a baton left here was
         # left by a killed one, and would make this build wait forever.
         with contextlib.suppress(FileNotFoundError):
@@ -211,12 +212,12 @@ def build(timeout: float = DEFAULT_TIMEOUT, *, force: bool = False,
             with contextlib.suppress(FileNotFoundError):
                 lib.unlink()
         log_path = where / "build.log"
-        left = max(1.0, timeout - (time.monotonic() - start))
+        left = max(1.0, timeout - (time.monotonic() - began))
         line, ok = _run_child(name, where, left, log_path, verbose)
         if line is _TIMED_OUT:
             line = f"the build took over {timeout:g} s and was stopped (log: {log_path})"
         ok = ok and lib.exists()
-        seconds = time.monotonic() - start
+        seconds = time.monotonic() - began
         if ok:
             return BuildResult(True, seconds, f"built {name} in {seconds:.0f} s: {lib}", log_path)
         if not line:
@@ -232,25 +233,19 @@ def _run_child(name: str, where: Path, timeout: float, log_path: Path,
                verbose: bool) -> tuple[str, bool]:
     """Run the child build; (a line saying what failed, or "", and success)."""
     cmd = [sys.executable, "-c", _CHILD, name, str(SOURCE), str(where), *_CFLAGS]
-    posix = os.name == "posix"
-    timed_out = False
     with open(log_path, "w", encoding="utf-8", errors="replace") as log:
         try:
-            proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=posix,
-                creationflags=0 if posix else subprocess.CREATE_NEW_PROCESS_GROUP,  # type: ignore[attr-defined]
-            )
+            # Its own group: a timeout stops ninja and the compilers with it.
+            # The parent's environment as it is: the child imports torch alone.
+            proc = start(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         except OSError as e:
             return f"could not start {sys.executable}: {e}", False
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            timed_out = not wait(proc, timeout)
         finally:
-            if proc.poll() is None:
-                _kill(proc, posix)
-                proc.wait()
+            # Reaped; its group killed only if it still runs: what a finished
+            # build left running (a compiler cache's server) is not ours to end.
+            end(proc, leftovers=False)
     text = log_path.read_text(encoding="utf-8", errors="replace")
     if verbose:
         sys.stderr.write(text)
@@ -260,11 +255,3 @@ def _run_child(name: str, where: Path, timeout: float, log_path: Path,
         return _summary(text), False
     return "", True
 
-
-def _kill(proc: subprocess.Popen[bytes], posix: bool) -> None:
-    """Stop the child and everything it started (ninja, the compilers)."""
-    if posix:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    else:
-        proc.kill()
