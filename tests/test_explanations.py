@@ -759,9 +759,18 @@ def test_fix_from_facts_module_write_sets_inplace_false_where_it_was_built():
 
 
 def test_json_of_the_new_facts_round_trips():
-    from versionwatch._report.model import Between, Carrier, Forward, Modification, Report, Site
+    from versionwatch._report.model import (
+        Between,
+        Carrier,
+        Forward,
+        ForwardRef,
+        Modification,
+        Report,
+        Site,
+    )
 
     h = _freed(carried_by="fake", saved_during="G.forward #1 at prog.py:14",
+               saved_in=ForwardRef("G.forward #1", Site("prog.py", 14), None),
                carrier=Carrier("fake", Site("prog.py", 14, "fake = G(z)"), "G", "input",
                                Forward("D.forward #4", Site("prog.py", 17), "D"),
                                Site("prog.py", 15, "d = D(fake)"), True),

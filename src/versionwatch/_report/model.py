@@ -219,28 +219,19 @@ class ForwardRef:
         return f"{self.named} at {self.site}" if self.site is not None else self.named
 
 
-# "block.forward #1 at prog.py:24" (a label ends with its number, maybe a thread).
-_FORWARD_TEXT = re.compile(r"^(?P<label>.*?#\d+(?: on thread .*?)?) at (?P<file>.+):(?P<line>\d+)$")
+def forward_of(ref: ForwardRef) -> Forward:
+    """JSON's ``saved_forward``: the forward's label, the line that called it, and the root
+    module when the label names one (``"G.forward #1"``; a watcher of one root writes
+    ``"forward #1"``).
 
-
-def parse_forward(text: str | None) -> Forward | None:
-    """The forward of a ``saved_during`` text, ``"m.forward #2 at train.py:12"``.
-
-    For JSON's ``saved_forward`` of a hazard whose field is unset (one built by
-    hand holds the text alone).
-
-    >>> f = parse_forward("m.forward #2 at train.py:12")
-    >>> f.label, f.site.file, f.site.line
-    ('m.forward #2', 'train.py', 12)
-    >>> parse_forward("forward #1").site is None
-    True
+    >>> f = forward_of(ForwardRef("G.forward #2", Site("train.py", 12), None))
+    >>> f.label, f.site.file, f.site.line, f.module
+    ('G.forward #2', 'train.py', 12, 'G')
+    >>> forward_of(ForwardRef("forward #1", None, "w")).label
+    'forward #1 on thread w'
     """
-    if not text:
-        return None
-    m = _FORWARD_TEXT.match(text)
-    label, site = (text, None) if m is None else (m["label"], Site(m["file"], int(m["line"])))
-    root, sep, _ = label.rpartition(".forward #")
-    return Forward(label, site, root if sep else None)
+    root, sep, _ = ref.label.rpartition(".forward #")
+    return Forward(ref.named, ref.site, root if sep else None)
 
 
 @dataclass(frozen=True)
@@ -494,7 +485,8 @@ class Hazard:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, as in the ``versionwatch.report/1`` schema."""
-        return DOCUMENTS["hazard"](self, self.saved_forward or parse_forward(self.saved_during))
+        forward = self.saved_forward or (forward_of(self.saved_in) if self.saved_in else None)
+        return DOCUMENTS["hazard"](self, forward)
 
 
 # PyTorch's sentence on a saved non-leaf: "[torch.FloatTensor [3, 4]], which is output 0 of Add,".
