@@ -6,8 +6,7 @@ plugin, which lives in this package) costs nothing until torch is needed.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from versionwatch._fix import FixResult, fix
@@ -52,39 +51,32 @@ __all__ = [
 # Plain Python, no torch.
 from versionwatch import _report as _report
 from versionwatch._package import __version__ as __version__
-from versionwatch._package import keep_old_names
+from versionwatch._package import keep_old_names, lazy_names
 
 keep_old_names()  # old module paths that outside tools import (the peer harness)
 
 _WHERE = {
-    "AutoWatcher": "_watch",
-    "watch_all": "_watch",
-    "FreedGraphError": "_report",
-    "InplaceHazardWarning": "_report",
-    "InplaceModificationError": "_report",
-    "assert_backward_safe": "_predict",
-    "check": "_predict",
-    "Fix": "_report",
-    "FixResult": "_fix",
-    "fix": "_fix",
-    "Hazard": "_report",
-    "Modification": "_report",
-    "Repair": "_report",
-    "Report": "_report",
-    "Site": "_report",
-    "Timeline": "_timeline",
-    "Watcher": "_watch",
-    "watch": "_watch",
+    "AutoWatcher": "versionwatch._watch",
+    "watch_all": "versionwatch._watch",
+    "FreedGraphError": "versionwatch._report",
+    "InplaceHazardWarning": "versionwatch._report",
+    "InplaceModificationError": "versionwatch._report",
+    "assert_backward_safe": "versionwatch._predict",
+    "check": "versionwatch._predict",
+    "Fix": "versionwatch._report",
+    "FixResult": "versionwatch._fix",
+    "fix": "versionwatch._fix",
+    "Hazard": "versionwatch._report",
+    "Modification": "versionwatch._report",
+    "Repair": "versionwatch._report",
+    "Report": "versionwatch._report",
+    "Site": "versionwatch._report",
+    "Timeline": "versionwatch._timeline",
+    "Watcher": "versionwatch._watch",
+    "watch": "versionwatch._watch",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'versionwatch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"versionwatch.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE)
 
 
 def __dir__() -> list[str]:

@@ -9,7 +9,7 @@ import importlib.util
 import os
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib.machinery import ModuleSpec
 
 __version__ = "0.1.0"
@@ -47,3 +47,27 @@ def keep_old_names() -> None:
     """
     if not any(isinstance(f, _Moved) for f in sys.meta_path):
         sys.meta_path.append(_Moved())
+
+
+def lazy_names(package: str, where: Mapping[str, str]) -> Callable[[str], object]:
+    """A package's ``__getattr__``: each of its names loads its module on first use.
+
+    So importing one module of a folder costs no other (the pytest plugin starts
+    without torch), and ``python -m`` of a module in a folder finds it not yet
+    imported. A name, once loaded, is the package's own attribute.
+
+    Args:
+        package: the package's ``__name__``.
+        where: each name -> the module that defines it.
+    """
+    namespace = sys.modules[package].__dict__
+
+    def __getattr__(name: str) -> object:
+        module = where.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    return __getattr__

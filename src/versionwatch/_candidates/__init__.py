@@ -11,8 +11,9 @@ running and judging a candidate is ``_fix``'s.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from versionwatch._package import lazy_names
 
 if TYPE_CHECKING:
     from versionwatch._candidates.edits import propose as propose
@@ -25,9 +26,6 @@ if TYPE_CHECKING:
     from versionwatch._candidates.shared import backward_after as backward_after
     from versionwatch._candidates.source import line_map as line_map
 
-# Each name loads its module on first use, as the package's own names do: importing
-# one module of the folder costs no other (the pytest plugin, at start-up), and
-# ``python -m`` of a module here finds it not yet imported.
 _WHERE = {
     "backward_after": "versionwatch._candidates.shared",
     "Candidate": "versionwatch._candidates.shared",
@@ -40,11 +38,4 @@ _WHERE = {
     "Sources": "versionwatch._candidates.shared",
 }
 
-
-def __getattr__(name: str) -> object:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE)

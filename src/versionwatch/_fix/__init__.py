@@ -8,8 +8,9 @@ once (``server``). The candidates themselves come from ``_candidates``.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from versionwatch._package import lazy_names
 
 if TYPE_CHECKING:
     from versionwatch._fix.command import FixResult as FixResult
@@ -18,9 +19,6 @@ if TYPE_CHECKING:
     from versionwatch._fix.command import unchecked as unchecked
     from versionwatch._fix.server import ForkServer as ForkServer
 
-# Each name loads its module on first use, as the package's own names do: importing
-# one module of the folder costs no other (the pytest plugin, at start-up), and
-# ``python -m`` of a module here finds it not yet imported.
 _WHERE = {
     "fix": "versionwatch._fix.command",
     "FixResult": "versionwatch._fix.command",
@@ -29,11 +27,4 @@ _WHERE = {
     "unchecked": "versionwatch._fix.command",
 }
 
-
-def __getattr__(name: str) -> object:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE)

@@ -9,8 +9,9 @@ holds the explicit seam for observers of ``check`` (``CHECK_OBSERVERS``).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from versionwatch._package import lazy_names
 
 if TYPE_CHECKING:
     from versionwatch._predict.api import CHECK_OBSERVERS as CHECK_OBSERVERS
@@ -32,9 +33,6 @@ if TYPE_CHECKING:
     from versionwatch._predict.slots import planned as planned
     from versionwatch._predict.slots import trust_unpack as trust_unpack
 
-# Each name loads its module on first use, as the package's own names do: importing
-# one module of the folder costs no other (the pytest plugin, at start-up), and
-# ``python -m`` of a module here finds it not yet imported.
 _WHERE = {
     "assert_backward_safe": "versionwatch._predict.api",
     "BadCall": "versionwatch._predict.arguments",
@@ -56,11 +54,4 @@ _WHERE = {
     "unobserved": "versionwatch._predict.api",
 }
 
-
-def __getattr__(name: str) -> object:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE)

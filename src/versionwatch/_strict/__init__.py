@@ -11,8 +11,9 @@ declares the faces it needs of a watcher and a repairer (``StrictOwner``,
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from versionwatch._package import lazy_names
 
 if TYPE_CHECKING:
     from versionwatch._strict.mode import attach as attach
@@ -28,9 +29,6 @@ if TYPE_CHECKING:
     from versionwatch._strict.thread import end_step as end_step
     from versionwatch._strict.writes import on_write as on_write
 
-# Each name loads its module on first use, as the package's own names do: importing
-# one module of the folder costs no other (the pytest plugin, at start-up), and
-# ``python -m`` of a module here finds it not yet imported.
 _WHERE = {
     "attach": "versionwatch._strict.mode",
     "begin_step": "versionwatch._strict.thread",
@@ -46,11 +44,4 @@ _WHERE = {
     "unpack": "versionwatch._strict.records",
 }
 
-
-def __getattr__(name: str) -> object:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE)

@@ -10,12 +10,13 @@ and the typed faces the interception points call (``protocols``).
 
 from __future__ import annotations
 
-import importlib
 import sys
 import threading
 import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from versionwatch._package import lazy_names
 
 if TYPE_CHECKING:
     from versionwatch._report import Report
@@ -31,9 +32,6 @@ if TYPE_CHECKING:
     from versionwatch._watch.watcher import Watcher as Watcher
     from versionwatch._watch.watcher import watch as watch
 
-# Each name loads its module on first use, as the package's own names do: importing
-# one module of the folder costs no other (the pytest plugin, at start-up), and
-# ``python -m`` of a module here finds it not yet imported.
 _WHERE = {
     "AutoWatcher": "versionwatch._watch.auto",
     "env_problem": "versionwatch._watch.policy",
@@ -46,14 +44,7 @@ _WHERE = {
     "Watcher": "versionwatch._watch.watcher",
 }
 
-
-def __getattr__(name: str) -> object:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE)
 
 # -- by hand: the peer harness's names ---------------------------------------------
 # The peer harness (shared/peer/vw_oracle.py, outside this repository) was written
