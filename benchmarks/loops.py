@@ -70,9 +70,8 @@ except ImportError:  # running from a checkout without an install
     import versionwatch
 
 try:
-    from versionwatch._native.loader import (
-        loader as _native,  # the optional native helper, where this version has it
-    )
+    # the optional native helper, where this version has it
+    from versionwatch._native import loader as _native
 except ImportError:
     _native = None  # type: ignore[assignment]
 try:
