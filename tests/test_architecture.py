@@ -164,6 +164,21 @@ def test_few_modules_at_the_top_and_folders_say_what_they_own() -> None:
     assert set(LAYER) - {LEAVES, "versionwatch"} == {f.split(".")[1] for f in FOLDERS}
 
 
+def test_annotations_are_never_evaluated() -> None:
+    """Python 3.9 is supported: ``X | None`` in an annotation runs only as a string, so
+    every module that annotates anything says ``from __future__ import annotations``."""
+    missing = []
+    for p in PATHS:
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        annotated = any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.AnnAssign))
+                        for n in ast.walk(tree))
+        future = any(isinstance(n, ast.ImportFrom) and n.module == "__future__"
+                     and any(a.name == "annotations" for a in n.names) for n in tree.body)
+        if annotated and not future:
+            missing.append(str(p.relative_to(PACKAGE)))
+    assert not missing, missing
+
+
 def test_no_stubbed_host_methods() -> None:
     """Parts are objects a host holds, not mixins that stub its methods."""
     stubs = [f"{p.relative_to(PACKAGE)}:{node.lineno}" for p in PATHS

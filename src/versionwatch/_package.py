@@ -4,6 +4,8 @@ A leaf (no torch, nothing else of the package), so that any module, the native
 build and the fix child included, reads these without importing the package.
 """
 
+from __future__ import annotations
+
 import importlib.abc
 import importlib.util
 import os
@@ -26,16 +28,23 @@ _MOVED = {"versionwatch._auto": "versionwatch._watch.auto"}
 class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds a moved module under its old name: the one module object, imported on use."""
 
+    def __init__(self) -> None:
+        self.specs: dict[str, ModuleSpec | None] = {}  # each moved module's own spec
+
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: types.ModuleType | None = None) -> ModuleSpec | None:
         return importlib.util.spec_from_loader(fullname, self) if fullname in _MOVED else None
 
     def create_module(self, spec: ModuleSpec) -> types.ModuleType:
         # The module itself, not a second copy: its classes stay the ones in use.
-        return importlib.import_module(_MOVED[spec.name])
+        module = importlib.import_module(_MOVED[spec.name])
+        self.specs[module.__name__] = module.__spec__
+        return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        pass  # imported already, under its new name
+        # Imported already, under its new name. The import system has just set
+        # the old name's spec on it: give it back its own (reload, find_spec).
+        module.__spec__ = self.specs[module.__name__]
 
 
 def keep_old_names() -> None:

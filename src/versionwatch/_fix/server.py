@@ -145,7 +145,10 @@ def serve() -> int:
     # Imported once here for every run: what a run imports anyway, no state.
     import torch._dynamo  # noqa: F401  (what an optimizer's first step() imports)
 
+    from versionwatch._candidates import FixFacts  # noqa: F401
     from versionwatch._fix.child import main
+    from versionwatch._strict import attach  # noqa: F401  (strict mode)
+    from versionwatch._watch import watch_all  # noqa: F401  (the watcher and its parts)
 
     stdin, stdout = sys.stdin.fileno(), sys.stdout.fileno()
     buffer = b""

@@ -11,7 +11,6 @@ and the typed faces the interception points call (``protocols``).
 from __future__ import annotations
 
 import sys
-import threading
 import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -48,10 +47,11 @@ __getattr__ = lazy_names(__name__, _WHERE)
 
 # -- by hand: the peer harness's names ---------------------------------------------
 # The peer harness (shared/peer/vw_oracle.py, outside this repository) was written
-# when this folder was one module: it reads ``Watcher``, ``_ACTIVE`` and ``_LOCAL``
-# here and replaces ``predict`` here to observe each prediction. The old names stay
-# readable, and a ``predict`` set here becomes the watcher's (``watcher.predict``,
-# which it looks up at each backward). Nothing of ours uses these names.
+# when this folder was one module: it reads ``Watcher`` and ``_ACTIVE`` here (and
+# tries ``_LOCAL``, which that module never had: it still gets no answer), and
+# replaces ``predict`` here to observe each prediction. The old names stay readable,
+# and a ``predict`` set here becomes the watcher's (``watcher.predict``, which it
+# looks up at each backward). Nothing of ours uses these names.
 
 
 class _Folder(types.ModuleType):
@@ -72,12 +72,6 @@ class _Folder(types.ModuleType):
         from versionwatch._watch.active import ACTIVE
 
         return ACTIVE
-
-    @property
-    def _LOCAL(self) -> threading.local:
-        from versionwatch._watch.active import _LOCAL
-
-        return _LOCAL
 
 
 sys.modules[__name__].__class__ = _Folder
