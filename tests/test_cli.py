@@ -740,7 +740,7 @@ TIED = textwrap.dedent("""\
     child = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, time\\n"
-         "from versionwatch._cli.replay import tie_to_parent\\n"
+         "from versionwatch._process import tie_to_parent\\n"
          "tie_to_parent(int(sys.argv[1]), int(sys.argv[2]), pdeathsig=sys.argv[3] == '1')\\n"
          "print('tied', flush=True)\\n"
          "time.sleep(120)\\n", str(os.getpid()), str(r), sys.argv[1]],

@@ -209,7 +209,8 @@ def _exec_main(code: CodeType, file: str, loader: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from versionwatch._cli.replay import send_report, tie_to_parent
+    from versionwatch._cli.replay import send_report
+    from versionwatch._process import tie_to_parent
     from versionwatch._watch import ReplayStop, watch_all
 
     if args.module:

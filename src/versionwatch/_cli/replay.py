@@ -23,7 +23,6 @@ from dataclasses import replace
 from typing import Any
 
 from versionwatch._process import end, environment, exited, kill_group, start, terminate, wait
-from versionwatch._process import tie_to_parent as tie_to_parent  # the child's side, for main
 from versionwatch._report import Hazard, Modification, Report, Site, Writer, fix_for
 
 # The child's own option, N:PARENT:DEATH_FD:REPORT_FD: stop at backward N, write the
@@ -73,7 +72,7 @@ class Child:
       processes behind;
     - when this process dies without a say (SIGKILL), on Linux the kernel kills
       the child (``PR_SET_PDEATHSIG``, which the child sets at its start-up:
-      :func:`tie_to_parent`); everywhere, the child holds the read end of a pipe
+      ``_process.tie_to_parent``); everywhere, the child holds the read end of a pipe
       whose only write end is this process's, and a daemon thread of the child
       that waits on it kills the child's group when it closes (the fallback on
       macOS, where there is no ``PR_SET_PDEATHSIG``).

@@ -51,8 +51,6 @@ from versionwatch._watch.protocols import ForwardToken, InScope, Lender
 logger = logging.getLogger("versionwatch")
 
 _LOCK = LOCK
-# Open watchers, oldest first: truthy while any is open (the peer harness reads it).
-_ACTIVE = ACTIVE
 
 
 def _variable_name(module: nn.Module, caller: FrameType | None) -> str:
