@@ -82,7 +82,8 @@ def run_child(program: list[str], *, scratch: dict[str, str] | None = None,
               watch: str = "default", allow_mutation: bool = False,
               stop_after: int | None = None, record_upto: int = 0, grads_upto: int = 0,
               grads_at: tuple[int, ...] = (), timeout: float = 120.0,
-              workdir: str | None = None, server: ForkServer | None = None) -> Run:
+              workdir: str | None = None, server: ForkServer | None = None,
+              ledger: bool = False, on_hazard: str = "raise") -> Run:
     """Run ``program`` (``["script.py", ...]``, ``["-m", mod, ...]``, ``["-c", code, ...]``)."""
     own = workdir is None
     folder = workdir or tempfile.mkdtemp(prefix="versionwatch-fix-")
@@ -93,7 +94,8 @@ def run_child(program: list[str], *, scratch: dict[str, str] | None = None,
             json.dump({"argv": program, "scratch": scratch or {}, "watch": watch,
                        "allow_mutation": allow_mutation, "stop_after": stop_after,
                        "record_upto": record_upto, "grads_upto": grads_upto,
-                       "grads_at": list(grads_at), "out": out, "cwd": os.getcwd()}, f)
+                       "grads_at": list(grads_at), "out": out, "cwd": os.getcwd(),
+                       "ledger": ledger, "on_hazard": on_hazard}, f)
         err_path = spec_path[:-5] + ".err"
         began = time.monotonic()
         answer = server.run(spec_path, err_path, timeout) if server is not None else None
@@ -183,9 +185,44 @@ def _at(site: list[Any] | None, lines: dict[str, dict[int, int]]) -> str:
     return f"{shown(file)}:{line}"
 
 
+def _one_iteration(original: Run, failing: int) -> dict[str, int]:
+    """For each optimizer, how many of the original's steps came before the
+    first run of the failing backward's line, where that line ran before (a
+    loop: the steps since are one iteration, repeated). Where it did not, the
+    original ran no whole iteration: none is said, and every step is a prefix."""
+    rec = original.record(failing)
+    site = rec.get("site") if rec else None
+    first = next((r["n"] for r in original.records
+                  if r["n"] < failing and site and r.get("site") == site), None)
+    if first is None:
+        return {}
+    out: dict[str, int] = {}
+    for st in original.steps:
+        if "optimizer" in st:
+            out.setdefault(st["optimizer"], 0)
+            if st["after"] < first:
+                out[st["optimizer"]] += 1
+    return out
+
+
+def usable(reference: Run | None, failing: int) -> bool:
+    """A reference run that got past the failing backward, its steps recorded."""
+    return reference is not None and any("applied" in st for st in reference.steps) and (
+        reference.status in ("stopped", "completed")
+        or (reference.status == "exited" and not reference.exit)
+        or (reference.status == "failed" and (reference.failed_at or 0) > failing))
+
+
 def judge(candidate: Candidate, run: Run, original: Run, meant: Run | None,
           failing: int, steps: int, timeout: float) -> None:
-    """Set ``candidate.verified``, ``keeps_values`` and ``why`` from its check ``run``."""
+    """Set ``candidate.verified``, ``keeps_values`` and ``why`` from its check ``run``.
+
+    ``meant``: the program as its author meant it (each backward sees what its
+    forward saved), run with the same budget: every optimizer step of the
+    candidate must apply what its step did (:func:`compare_training`). Without
+    one (a freed graph), the steps are compared with the original's before the
+    failure, losses only, and each backward must reach what the original's did.
+    """
     candidate.checked = True
     # By real path: a run names files as the interpreter found them, symlinks resolved.
     lines = {os.path.realpath(path): line_map(old, new)
@@ -225,8 +262,23 @@ def judge(candidate: Candidate, run: Run, original: Run, meant: Run | None,
                 f"computes gradients of {_names(keys)} from a forward made before "
                 f"{rec['stale'][0][1]} changed them")
             break
-    # Gradients the program trains with.
-    if candidate.same_backwards and not candidate.cut_any:
+    # What each optimizer step applies.
+    rec = original.record(failing)
+    failing_losses = list(rec.get("losses", [])) if rec else []
+    training = None
+    reference = meant if usable(meant, failing) else None
+    if not problems:
+        if reference is not None:
+            training = compare_training(candidate, run, reference, values=True,
+                                        failing_losses=failing_losses)
+        elif any("applied" in st for st in original.steps):
+            training = compare_training(candidate, run, original, values=False,
+                                        failing_losses=failing_losses,
+                                        prefix=_one_iteration(original, failing))
+        if training is not None and training.problem:
+            problems.append(training.problem)
+    # Gradients the program trains with (where no reference says what each step applies).
+    if reference is None and candidate.same_backwards and not candidate.cut_any:
         cut = {(os.path.realpath(c.file), c.line) for c in candidate.cut_at}
         for rec in run.records:
             before = original.record(rec["n"])
@@ -259,6 +311,10 @@ def judge(candidate: Candidate, run: Run, original: Run, meant: Run | None,
                if run.status in ("completed", "exited")
                else f"backward #{failing} and {steps} more ran")
     candidate.why = f"checked: {reached}, no hazard, no other error"
+    if training is not None and training.said:
+        candidate.why += f"; {training.said}"
+        candidate.extra["training"] = ("refreshed" if training.diverged else
+                                       "merged" if training.merged else "same")
     if candidate.keeps_values:
         same, values = compare_values(run, original, meant, failing)
         candidate.keeps_values = same
@@ -303,3 +359,232 @@ def compare_values(run: Run, original: Run, meant: Run | None,
                      "original run's"
     verb = "are" if len(losses) > 1 else "is"
     return True, f"{said} {verb} bitwise the original run's (no gradients to compare)"
+
+
+# -- what each optimizer step applies ---------------------------------------------------
+
+# Two sketches of one gradient or update agree within this, relative to their norm: a
+# reordered accumulation rounds differently (about 1e-7 of it in float32); a step
+# with another loss's gradient, or with a momentum or Adam state, is off by far more.
+TOLERANCE = 1e-4
+
+
+@dataclass
+class Training:
+    """How a candidate's optimizer steps compare with the reference's.
+
+    ``problem``: why the candidate trains otherwise than the program meant
+    (``None``: it trains as meant); ``said``: what the check found, one clause.
+    """
+
+    problem: str | None
+    said: str
+    steps: int = 0
+    merged: bool = False
+    diverged: list[str] = field(default_factory=list)
+
+
+def _close(a: dict[str, Any] | None, b: dict[str, Any] | None, scale: float = 0.0) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    tol = TOLERANCE * max(a["norm"], b["norm"], scale) + 1e-30
+    return all(abs(x - y) <= tol for x, y in zip(a["sketch"], b["sketch"]))
+
+
+def _same(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return bool(a["hash"] == b["hash"] and a["dtype"] == b["dtype"] and a["shape"] == b["shape"])
+
+
+def _summed(sketches: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The sketch of the sum of the tensors (sketches are linear; norms bound it)."""
+    if any(s is None for s in sketches):
+        return None
+    parts = [s for s in sketches if s is not None]
+    return {"sketch": [sum(v) for v in zip(*(p["sketch"] for p in parts))],
+            "norm": sum(p["norm"] for p in parts)}
+
+
+def _module_of(keys: list[str]) -> str:
+    """``D`` for ``D.0.weight, D.2.bias``; the names themselves when they share nothing."""
+    parts = [k.split(".") for k in keys]
+    common: list[str] = []
+    for column in zip(*parts):
+        if len(set(column)) != 1:
+            break
+        common.append(column[0])
+    if common and all(len(p) > len(common) for p in parts):
+        return f"`{'.'.join(common)}`"
+    return _names(keys)
+
+
+def _losses(names: list[str]) -> str:
+    return " and ".join(f"`{n}`'s" for n in dict.fromkeys(names))
+
+
+def _difference(opt: str, ref: dict[str, Any], mine: dict[str, Any]) -> str:
+    """Why ``opt``'s step applies other gradients than the program's, in its names."""
+    groups: dict[tuple[tuple[str, ...], tuple[str, ...]], list[str]] = {}
+    for key in sorted(set(ref) | set(mine)):
+        had = ref.get(key, {}).get("losses", [])
+        now = mine.get(key, {}).get("losses", [])
+        extra = tuple(sorted(set(now) - set(had)))
+        missing = tuple(sorted(set(had) - set(now)))
+        if extra or missing:
+            groups.setdefault((extra, missing), []).append(key)
+    if not groups:
+        return f"`{opt}.step()` applies the same losses a different number of times"
+    (extra, missing), keys = max(groups.items(), key=lambda kv: len(kv[1]))
+    to = _module_of(keys)
+    if extra and missing:
+        return (f"`{opt}.step()` would apply {_losses(list(extra))} gradient to {to} "
+                f"instead of {_losses(list(missing))}")
+    if extra:
+        return f"`{opt}.step()` would also apply {_losses(list(extra))} gradient to {to}"
+    return f"`{opt}.step()` would no longer apply {_losses(list(missing))} gradient to {to}"
+
+
+def _by_optimizer(run: Run) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for st in run.steps:
+        if "applied" in st:
+            out.setdefault(st["optimizer"], []).append(st["applied"])
+    return out
+
+
+def _loss_sets(applied: dict[str, Any]) -> dict[str, list[str]]:
+    return {k: v["losses"] for k, v in applied.items() if v["losses"]}
+
+
+# Families that re-time a write the program makes (a forward re-run after the step,
+# a no_grad update moved after it): from the step where it first matters, the
+# values differ from the program's on purpose; the losses are compared throughout.
+RETIMED = {"refresh": "the forward re-run after the step",
+           "move_update": "the update moved after the step"}
+
+
+def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: bool,
+                     failing_losses: list[str], prefix: dict[str, int] | None = None,
+                     ) -> Training:
+    """Whether ``run``'s optimizer steps apply what ``reference``'s do.
+
+    Each optimizer's steps are compared in order: a step must apply the gradients
+    of the same losses to each parameter, with the same values (bitwise, or
+    within :data:`TOLERANCE` where the candidate reorders an accumulation). A
+    step of the candidate that applies what several consecutive steps of the
+    reference applied (one step of the summed gradients) is right only where the
+    parameters after it match the reference's after the last of them. With
+    ``values=False`` (no reference of the values: the original's own steps
+    before the failure), only the losses are compared: each optimizer's first
+    ``prefix`` steps with the original's in order, the rest cyclically with the
+    original's steps after those (one iteration of its loop), if it ran one.
+    """
+    ref_steps = _by_optimizer(reference)
+    my_steps = _by_optimizer(run)
+    steps = 0
+    merged = False
+    diverged: list[str] = []
+    exact = values
+    # The order the candidate ran its steps in, for the first difference it made.
+    for opt in dict.fromkeys([st["optimizer"] for st in run.steps if "applied" in st]
+                             + list(ref_steps)):
+        refs, mine = ref_steps.get(opt, []), my_steps.get(opt, [])
+        if refs and not mine:
+            return Training(f"`{opt}.step()` never runs in the patched program", "")
+        if not refs:
+            continue
+        i = 0
+        head = min((prefix or {}).get(opt, 1 << 30), len(refs))
+        for j, step in enumerate(mine):
+            if i >= len(refs) and (values or head == len(refs)):
+                break
+            ref = refs[i] if i < len(refs) else refs[head + (i - head) % (len(refs) - head)]
+            if _loss_sets(step) == _loss_sets(ref):
+                if exact:
+                    ok = _step_values(ref, step)
+                    if not ok:
+                        behind = [k for k, v in step.items()
+                                  if not _close(ref.get(k, {}).get("grad"), v["grad"])]
+                        retimed = candidate.family in RETIMED and (
+                            candidate.family != "refresh" or any(
+                                set(step[k]["losses"]) & set(failing_losses) for k in behind))
+                        if retimed:
+                            # The forward re-run through the stepped weights: the
+                            # gradients behind it differ on purpose; the losses are
+                            # still compared from here on.
+                            diverged = behind
+                            exact = False
+                        else:
+                            return Training(
+                                f"the values differ: `{opt}.step()` #{j + 1} applies another "
+                                f"gradient to {_module_of(behind)} than the program meant", "")
+                i += 1
+                steps += 1
+                continue
+            # One step of what several of the reference's applied?
+            span = _merge_span(refs, i, step) if values else 0
+            if span:
+                merged = True
+                if exact and not _merge_values(refs[i:i + span], step):
+                    return Training(
+                        f"it changes the training: one `{opt}.step()` of the summed gradients "
+                        f"instead of {_count(span)}, and the parameters after it differ from the "
+                        "program's (an optimizer with state, such as momentum or Adam, steps "
+                        "differently)", "")
+                i += span
+                steps += 1
+                continue
+            return Training(_difference(opt, ref, step), "")
+    if values:
+        said = (f"each of {steps} optimizer step(s) applies the gradients of the same losses as "
+                "the program meant")
+        if merged:
+            said += ("; the steps it merges into one leave the parameters as the program's "
+                     f"two did (within {TOLERANCE:g})")
+        elif not diverged and exact:
+            said += ", with the same values"
+        if diverged:
+            said += (f"; the gradients of {_module_of(diverged)} differ from the program's, "
+                     f"as they must: {RETIMED[candidate.family]} changes them")
+    else:
+        said = (f"each of {steps} optimizer step(s) applies the gradients of the same losses as "
+                "the program's steps before the failure")
+    return Training(None, said, steps, merged, diverged)
+
+
+def _step_values(ref: dict[str, Any], step: dict[str, Any]) -> bool:
+    """The gradients a step applies are the reference's: bitwise, or within the tolerance."""
+    for key, v in step.items():
+        r = ref.get(key)
+        if r is None or not v["losses"]:
+            continue
+        if not (_same(r["grad"], v["grad"]) or _close(r["grad"], v["grad"])):
+            return False
+    return True
+
+
+def _merge_span(refs: list[dict[str, Any]], i: int, step: dict[str, Any]) -> int:
+    """How many consecutive reference steps from ``i`` ``step`` applies at once (0: none)."""
+    want = _loss_sets(step)
+    have: dict[str, list[str]] = {}
+    for span in range(1, len(refs) - i + 1):
+        for k, v in _loss_sets(refs[i + span - 1]).items():
+            have[k] = sorted(have.get(k, []) + v)
+        if span > 1 and {k: sorted(v) for k, v in want.items()} == have:
+            return span
+    return 0
+
+
+def _merge_values(refs: list[dict[str, Any]], step: dict[str, Any]) -> bool:
+    for key, v in step.items():
+        parts = [r[key]["update"] for r in refs if key in r]
+        if not parts or v["update"] is None:
+            continue
+        if not _close(_summed(parts), v["update"]):
+            return False
+    return True
+
+
+def _count(n: int) -> str:
+    return {2: "two", 3: "three", 4: "four"}.get(n, str(n))

@@ -25,12 +25,14 @@ variable): the same names in the original and a patched run.
 
 from __future__ import annotations
 
+import ast
 import base64
 import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
+import linecache
 import os
 import pickle
 import runpy
@@ -40,7 +42,7 @@ import traceback
 import weakref
 from collections.abc import Sequence
 from types import FrameType, ModuleType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import torch
 from torch import nn
@@ -173,6 +175,157 @@ def _tensors(value: Any) -> tuple[torch.Tensor, ...]:
     return ()
 
 
+def _statements(filename: str, line: int) -> list[ast.stmt]:
+    """The simple statements of ``filename`` that span ``line`` (``a; b`` share one)."""
+    if filename not in _TREES:
+        try:
+            _TREES[filename] = ast.parse("".join(linecache.getlines(filename)))
+        except (SyntaxError, ValueError):
+            _TREES[filename] = None
+    tree = _TREES[filename]
+    if tree is None:
+        return []
+    compound = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.For, ast.AsyncFor,
+                ast.While, ast.If, ast.With, ast.AsyncWith, ast.Try)
+    return [node for node in ast.walk(tree)
+            if isinstance(node, ast.stmt) and not isinstance(node, compound)
+            and node.lineno <= line <= (node.end_lineno or line)]
+
+
+_TREES: dict[str, ast.Module | None] = {}
+
+
+def _terms(node: ast.expr) -> list[str]:
+    """The losses a backward's root expression names: ``(a + b)`` -> ``a``, ``b``."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _terms(node.left) + _terms(node.right)
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [t for e in node.elts for t in _terms(e)]
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "sum" and node.args and isinstance(
+                node.args[0], (ast.List, ast.Tuple))):
+        return _terms(node.args[0])
+    return [ast.unparse(node)]
+
+
+def loss_names(frame: FrameType) -> list[str]:
+    """The losses the backward called from ``frame`` runs: the names the program
+    gives them (``d_loss``; ``d_loss``, ``g_loss`` for their sum), or
+    ``backward at line N`` where the source does not say."""
+    filename, line = frame.f_code.co_filename, frame.f_lineno
+    found: list[tuple[ast.Call, ast.expr]] = []
+    for stmt in _statements(filename, line):
+        for node in ast.walk(stmt):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "backward"):
+                continue
+            base = node.func.value
+            through = ((isinstance(base, ast.Name) and base.id == "autograd")
+                       or (isinstance(base, ast.Attribute) and base.attr == "autograd"))
+            if through and node.args:
+                found.append((node, node.args[0]))  # torch.autograd.backward(loss)
+            elif not through:
+                found.append((node, base))  # loss.backward()
+    if len(found) > 1:
+        # Two backwards on one line (``a.backward(); b.backward()``): the one running,
+        # by the column of the frame's instruction (Python 3.11+).
+        where = _position(frame)
+        if where is not None:
+            hit = [f for f in found if (f[0].lineno, f[0].col_offset) <= where
+                   <= (f[0].end_lineno or 0, f[0].end_col_offset or 0)]
+            found = hit or found
+    if found:
+        return _terms(found[0][1])
+    return [f"backward at line {line}"]
+
+
+def _read(term: str, frame: FrameType) -> Any:
+    """The value of ``a`` or ``a.b.c`` in ``frame``; ``None`` for anything else."""
+    parts = term.split(".")
+    if not all(p.isidentifier() for p in parts):
+        return None
+    scope = frame.f_locals
+    value = scope.get(parts[0], frame.f_globals.get(parts[0]))
+    for part in parts[1:]:
+        if value is None:
+            return None
+        # Instance attributes only: no property or __getattr__ of the program's runs.
+        value = getattr(value, "__dict__", {}).get(part)
+    return value
+
+
+def _position(frame: FrameType) -> tuple[int, int] | None:
+    positions = getattr(frame.f_code, "co_positions", None)
+    if positions is None:
+        return None
+    try:
+        at = list(positions())[frame.f_lasti // 2]
+    except (IndexError, ValueError):
+        return None
+    if at[0] is None or at[2] is None:
+        return None
+    return int(at[0]), int(at[2])
+
+
+class _Sketch:
+    """A gradient's or an update's fingerprint, never the tensor itself: a bitwise
+    hash, and linear sketches (the sum and three fixed random projections, in
+    float64) that add up as the tensors do, to compare within a tolerance."""
+
+    _dirs: ClassVar[dict[int, torch.Tensor]] = {}
+
+    @classmethod
+    def of(cls, t: torch.Tensor | None) -> dict[str, Any] | None:
+        if t is None:
+            return None
+        with torch.no_grad():
+            flat = t.detach().to("cpu").reshape(-1)
+            if flat.is_complex():
+                flat = torch.view_as_real(flat).reshape(-1)
+            bits = flat.contiguous().view(torch.uint8).to(torch.int64)
+            n = int(bits.numel())
+            w = cls._weights(n)
+            digest = [int((bits * w[0]).sum()), int((bits * w[1]).sum())]
+            x = flat.to(torch.float64)
+            dirs = cls._directions(int(x.numel()))
+            return {"hash": digest, "dtype": str(t.dtype), "shape": list(t.shape),
+                    "sketch": [float(x.sum())] + [float((x * d).sum()) for d in dirs],
+                    "norm": float(x.norm())}
+
+    @classmethod
+    def _weights(cls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = -n - 1
+        if key not in cls._dirs:
+            g = torch.Generator().manual_seed(n)
+            cls._dirs[key] = torch.randint(1, 2**31 - 1, (2, n), generator=g, dtype=torch.int64)
+        w = cls._dirs[key]
+        return w[0], w[1]
+
+    @classmethod
+    def _directions(cls, n: int) -> list[torch.Tensor]:
+        if n not in cls._dirs:
+            g = torch.Generator().manual_seed(n + 7)
+            cls._dirs[n] = torch.randn(3, n, generator=g, dtype=torch.float64)
+        return list(cls._dirs[n])
+
+
+def _optimizer_name(opt: torch.optim.Optimizer, frame: FrameType | None) -> str | None:
+    """The program's own name for ``opt`` (``opt_d``, ``self.critic_opt``), from its frames."""
+    while frame is not None:
+        if not _library(frame.f_code.co_filename):
+            for scope in (frame.f_locals, frame.f_globals):
+                for var, value in list(scope.items()):
+                    if value is opt:
+                        return str(var)
+            me = frame.f_locals.get("self")
+            if me is not None:
+                for var, value in list(getattr(me, "__dict__", {}).items()):
+                    if value is opt:
+                        return f"self.{var}"
+        frame = frame.f_back
+    return None
+
+
 class Tracker:
     """Counts and records the program's backwards; see the module's docstring."""
 
@@ -192,6 +345,13 @@ class Tracker:
         self.before: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self.names: dict[int, str] = {}  # the names found at the latest recorded backward
         self.step_log: list[dict[str, Any]] = []
+        # What each parameter's .grad holds since it was last zeroed: the losses
+        # of the backwards that accumulated into it (id(param) -> names).
+        self.fed: dict[int, list[str]] = {}
+        self.ledger: bool = bool(spec.get("ledger"))
+        # id(param) -> (id, _version) of its .grad after the last backward we saw.
+        self.grad_seen: dict[int, tuple[int, int]] = {}
+        self.params_before: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.result: dict[str, Any] = {}
         # A scratch copy's lines stand for the original file's, in the record.
         self.back = {v: k for k, v in scratch.items()}
@@ -228,14 +388,25 @@ class Tracker:
     def _label(self, opt: torch.optim.Optimizer) -> str:
         label = self.labels.get(id(opt))
         if label is None:
-            cls = type(opt).__name__
-            k = self.classes.get(cls, 0)
-            self.classes[cls] = k + 1
-            label = self.labels[id(opt)] = cls if k == 0 else f"{cls}[{k}]"
+            # The program's own name where its frames hold the optimizer (the same
+            # in the original and every patched run), else its class, numbered.
+            label = _optimizer_name(opt, sys._getframe(1))
+            if label is None or label in self.labels.values():
+                cls = type(opt).__name__
+                k = self.classes.get(cls, 0)
+                self.classes[cls] = k + 1
+                label = cls if k == 0 else f"{cls}[{k}]"
+            self.labels[id(opt)] = label
         return label
 
     def _step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.before[id(opt)] = [(p, p._version) for g in opt.param_groups for p in g["params"]]
+        if self.ledger and self.n <= self.record_upto:
+            self._label(opt)
+            with torch.no_grad():
+                self.params_before[id(opt)] = [
+                    (p, p.detach().to("cpu", copy=True)) for g in opt.param_groups
+                    for p in g["params"] if id(p) in self.names]
 
     def _step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         n = self.steps[id(opt)] = self.steps.get(id(opt), 0) + 1
@@ -248,7 +419,43 @@ class Tracker:
             if id(p) in self.names:
                 changed.append(self.names[id(p)])
         if self.n <= self.record_upto:
-            self.step_log.append({"label": label, "after": self.n, "params": changed})
+            entry: dict[str, Any] = {"label": label, "after": self.n, "params": changed}
+            if self.ledger:
+                entry["optimizer"] = self._label(opt)
+                entry["applied"] = self._applied(self.params_before.pop(id(opt), []))
+            self.step_log.append(entry)
+
+    def _zeroed(self, p: torch.Tensor) -> bool:
+        """Whether ``p.grad`` was cleared since the last backward accumulated into it:
+        ``None``, or another tensor or written since, and all zeros now (a
+        ``zero_grad()``; a clipped or scaled gradient still holds its losses)."""
+        grad = p.grad
+        if grad is None:
+            return True
+        if self.grad_seen.get(id(p)) == (id(grad), grad._version):
+            return False
+        with torch.no_grad():
+            return not bool(grad.any())
+
+    def _applied(self, before: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+        """What a step applied to each named parameter: the losses whose gradients
+        its ``.grad`` held, that gradient's fingerprint, and the update's."""
+        out: dict[str, Any] = {}
+        with torch.no_grad():
+            for p, old in before:
+                name = self.names.get(id(p))
+                if name is None:
+                    continue
+                grad = p.grad
+                # A gradient zeroed since (zero_grad without set_to_none) applies no loss.
+                live = not self._zeroed(p)
+                out[name] = {
+                    "losses": sorted(self.fed.get(id(p), [])) if live else [],
+                    "grad": _Sketch.of(grad),
+                    "update": _Sketch.of(p.detach().to("cpu") - old)
+                    if p.dtype.is_floating_point or p.dtype.is_complex else None,
+                    "after": _Sketch.of(p)}
+        return out
 
     def _wrap(self, inner: Any, at: int, first: str, inputs_at: int) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -289,6 +496,17 @@ class Tracker:
                     rec["reach"], rec["stale"] = [], []
                     rec["walk_error"] = repr(e)
             self.records.append(rec)
+            fed: list[torch.Tensor] = []
+            if self.ledger and names and first == "tensors" and frame is not None:
+                # A backward accumulates into .grad (autograd.grad does not): which
+                # losses fed each parameter's gradient since it was last zeroed.
+                rec["losses"] = loss_names(frame)
+                by_name = {key: t for key, t in names.values()}
+                fed = [by_name[key] for key in rec.get("reach", ()) if key in by_name]
+                terms = self._term_reach(rec["losses"], frame, _tensors(inputs), names)
+                for t in fed:
+                    if self._zeroed(t):
+                        self.fed[id(t)] = []
             self.local.depth = 1
             try:
                 out = inner(*args, **kwargs)
@@ -296,6 +514,12 @@ class Tracker:
                 self.fail(k, e)
             finally:
                 self.local.depth = 0
+            for t in fed:
+                if t.grad is not None:
+                    key = self.names.get(id(t), "")
+                    self.fed.setdefault(id(t), []).extend(
+                        [n for n in rec["losses"] if key in terms.get(n, (key,))])
+                    self.grad_seen[id(t)] = (id(t.grad), t.grad._version)
             if k <= self.grads_upto or k in self.grads_at:
                 rec["grads"] = {key: (None if t.grad is None
                                       else t.grad.detach().to("cpu", copy=True))
@@ -306,6 +530,21 @@ class Tracker:
 
         wrapped.__name__ = getattr(inner, "__name__", "backward")
         return wrapped
+
+    def _term_reach(self, losses: list[str], frame: FrameType, inputs: tuple[torch.Tensor, ...],
+                    names: dict[int, tuple[str, torch.Tensor]]) -> dict[str, set[str]]:
+        """For a backward of summed losses (``(d_loss + g_loss).backward()``), which
+        parameters each term reaches: a term that is a plain name (``d_loss``,
+        ``self.loss``) is read from the frame, never evaluated otherwise."""
+        if len(losses) < 2:
+            return {}
+        out: dict[str, set[str]] = {}
+        for term in losses:
+            value = _read(term, frame)
+            if isinstance(value, torch.Tensor):
+                with contextlib.suppress(Exception):
+                    out[term] = set(self._walk((value,), inputs, names)[0])
+        return out
 
     def _site(self, frame: FrameType | None) -> list[Any] | None:
         if frame is None:
@@ -493,10 +732,13 @@ def main(argv: Sequence[str]) -> int:
         from versionwatch._watch import watch_all
 
         os.environ.pop("VERSIONWATCH_ON_HAZARD", None)  # a check raises at every hazard
-        watcher = watch_all(on_hazard="raise", strict=spec.get("watch") == "strict")
+        # "repair": the program as its author meant it (each backward sees what its
+        # forward saved), the reference a candidate's training is compared with.
+        policy = "repair" if spec.get("on_hazard") == "repair" else "raise"
+        watcher = watch_all(on_hazard=policy, strict=spec.get("watch") == "strict")
     tracker = Tracker(spec, scratch)
     tracker.install()  # after the watcher's own wrappers: it sees every backward first
-    if watcher is not None:
+    if watcher is not None and spec.get("on_hazard") != "repair":
         tracker.install_checks()
     context: Any = contextlib.nullcontext()
     if spec.get("allow_mutation"):

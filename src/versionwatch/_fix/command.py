@@ -36,7 +36,7 @@ from versionwatch._candidates import (
     propose,
     shown,
 )
-from versionwatch._fix.check import Run, judge, run_child, write_scratch
+from versionwatch._fix.check import Run, judge, run_child, usable, write_scratch
 from versionwatch._fix.server import ForkServer
 from versionwatch._report import Fix, Report
 
@@ -146,7 +146,7 @@ def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: i
 def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: float,
          jobs: int, sources: dict[str, str] | None, server: ForkServer | None) -> FixResult:
     original = run_child(program, watch="strict", record_upto=_RECORD_UPTO,
-                         grads_upto=_GRADS_UPTO, timeout=timeout, server=server)
+                         grads_upto=_GRADS_UPTO, timeout=timeout, server=server, ledger=True)
     if original.status in ("completed", "stopped") or (
             original.status == "exited" and not original.exit):
         return FixResult("no_hazard", 0, original)
@@ -181,10 +181,7 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
         result.notes.append("not checked: the program is not a file that can be run again "
                             "with a patch; these patches are text only")
         return result
-    meant = None
-    if facts.kind == "inplace" and any(c.keeps_values for c in candidates):
-        meant = run_child(program, watch="none", allow_mutation=True, stop_after=failing,
-                          record_upto=0, grads_at=(failing,), timeout=timeout, server=server)
+    meant = _meant(program, facts, failing, check_steps, timeout, server)
 
     # A silent write through .data is seen in strict mode only: check in the mode
     # that saw the hazard.
@@ -198,7 +195,7 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
                             stop_after=failing + check_steps,
                             record_upto=failing + check_steps,
                             grads_upto=min(failing, _GRADS_UPTO), timeout=timeout,
-                            workdir=folder, server=server)
+                            workdir=folder, server=server, ledger=True)
             judge(c, run, original, meant, failing, check_steps, timeout)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -209,13 +206,37 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
     else:
         for c in candidates:
             check(c)
-    for c in candidates:
-        if c.family in ("move_step", "sum_losses") and c.extra.get("other_step"):
-            c.summary += _also_applies(original, failing)
     candidates = _refresh_order(candidates, original, failing)
-    result.candidates = [c for c in candidates if c.verified] + \
+    # Verified first: those that keep the program's steps and values, then those
+    # that merge steps, then a forward re-run (values differ behind it).
+    rank = {"same": 0, "merged": 1, "refreshed": 2}
+    result.candidates = sorted([c for c in candidates if c.verified],
+                               key=lambda c: rank.get(c.extra.get("training", "same"), 0)) + \
         [c for c in candidates if not c.verified]
     return result
+
+
+def _meant(program: list[str], facts: FixFacts, failing: int, check_steps: int,
+           timeout: float, server: ForkServer | None) -> Run | None:
+    """The program as its author meant it: each backward sees what its forward saved.
+
+    Strict mode's repair keeps a copy of every saved tensor a write would change
+    (a silent ``.data`` write or a fused step included); where it cannot,
+    ``allow_mutation_on_saved_tensors()`` is the second try. A freed graph has
+    no such run: ``None`` then, and the check compares structure only.
+    """
+    if facts.kind == "freed":
+        return None
+    runs = (dict(watch="strict", on_hazard="repair"), dict(watch="none", allow_mutation=True))
+    for how in runs:
+        run = run_child(program, stop_after=failing + check_steps,
+                        record_upto=failing + check_steps, grads_at=(failing,),
+                        timeout=timeout, server=server, ledger=True,
+                        watch=str(how["watch"]), on_hazard=str(how.get("on_hazard", "raise")),
+                        allow_mutation=bool(how.get("allow_mutation", False)))
+        if usable(run, failing):
+            return run
+    return None
 
 
 def _refresh_order(candidates: list[Candidate], original: Run, failing: int) -> list[Candidate]:
@@ -234,21 +255,6 @@ def _refresh_order(candidates: list[Candidate], original: Run, failing: int) -> 
     at = max((i + 1 for i, c in enumerate(rest) if c.family in ("move_step", "sum_losses")),
              default=0)
     return rest[:at] + refresh + rest[at:]
-
-
-def _also_applies(original: Run, failing: int) -> str:
-    """What a step moved after backward ``failing`` now also applies, from the original run."""
-    rec = original.record(failing)
-    if rec is None or "reach" not in rec:
-        return ""
-    stepped = {p for s in original.steps if s["after"] == failing - 1 for p in s["params"]}
-    shared = sorted(stepped & set(rec["reach"]))
-    if not shared:
-        return ""
-    names = ", ".join(shared[:3]) + (f" (+{len(shared) - 3})" if len(shared) > 3 else "")
-    return (f"; the step then also applies the gradients of backward #{failing} to {names}: "
-            "right when that loss should train them (a shared trunk), wrong when it must not "
-            "(a GAN's discriminator: re-run its forward after the step instead)")
 
 
 def _backward_asked(asked_at: Line, sources: Sources) -> Line | None:
