@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import builtins
 
 from versionwatch._candidates.facts import FixFacts, Line
 from versionwatch._candidates.shared import (
@@ -505,10 +506,16 @@ def move_forward(facts: FixFacts, sources: Sources) -> list[Candidate]:
                 return j if isinstance(body[j], ast.Assign) else None
         return None
 
+    # A forward calls a value the program made (a model, a criterion), not an import, a
+    # class it defines or a builtin: those make models and data, which stay where they are.
+    makers = {a.asname or a.name.split(".")[0] for node in ast.walk(src.tree)
+              if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+    makers |= {node.name for node in ast.walk(src.tree) if isinstance(node, ast.ClassDef)}
+    makers |= set(dir(builtins)) | set(DATA_NAMESPACES)
+
     def forward(st: ast.stmt) -> bool:
-        # A call of the user's own (a model, a criterion): not data made by torch.
         return isinstance(st, ast.Assign) and any(
-            (dotted(c.func) or "").split(".")[0] not in DATA_NAMESPACES for c in calls(st.value))
+            (dotted(c.func) or "").split(".")[0] not in makers for c in calls(st.value))
 
     first = made_at(name, i_loop)
     if first is None:
