@@ -658,3 +658,235 @@ def test_from_report_reads_the_facts_a_report_may_have(tmp_path: Path) -> None:
                                                modified_by=[write_])]))
     assert facts.module_built == Line(path, 2, "nn.Dropout(0.5, True),")
     assert facts.module_class == "Dropout"
+
+
+# -- families from the program's shape (issue #32) ---------------------------------------
+
+PROGRAMS = Path(__file__).parent / "fix_programs"
+
+
+def program(name: str) -> str:
+    return str(PROGRAMS / f"{name}.py")
+
+
+def runs(c: Candidate) -> subprocess.CompletedProcess[str]:
+    """The patched program, run by plain python."""
+    import sys
+
+    return subprocess.run([sys.executable, "-"], input=new_text(c), capture_output=True,
+                          text=True, timeout=120)
+
+
+def changes(c: Candidate) -> list[str]:
+    """The diff's changed lines, without the file names."""
+    return [ln for ln in c.diff.splitlines()
+            if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+
+
+def test_backward_inputs_trains_what_the_next_step_applies(tmp_path: Path) -> None:
+    path = program("actor_critic")
+    cands = propose(FixFacts("inplace", tensor="net.trunk.2.weight", step=at(path, 30),
+                             failing_backward=at(path, 32), saved_at=at(path, 14)))
+    c = only(cands, "backward_inputs")
+    assert changes(c) == [
+        "-    actor_loss.backward()",
+        '+    actor_loss.backward(inputs=[p for g in actor_opt.param_groups for p in g["params"]])',
+    ]
+    assert "trains only what `actor_opt.step()` applies, as the program's steps did" in c.summary
+    assert c.cut_at == (at(path, 32),)
+    # Before move_step: that one applies the actor's gradients to the trunk too.
+    families = [x.family for x in cands]
+    assert families.index("backward_inputs") < families.index("move_step")
+    done = runs(c)
+    assert done.returncode == 0, done.stderr
+
+
+def test_backward_inputs_keeps_the_backwards_own_arguments(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        critic_loss.backward(retain_graph=True)
+        critic_opt.step()
+        actor_loss.backward(retain_graph=True)
+        actor_opt.step()
+    """)
+    c = only(propose(FixFacts("inplace", tensor="trunk.weight", step=at(path, 2),
+                              failing_backward=at(path, 3))), "backward_inputs")
+    assert c.new == ("actor_loss.backward(retain_graph=True, "
+                     'inputs=[p for g in actor_opt.param_groups for p in g["params"]])')
+
+
+def test_reorder_backwards_for_a_trunk_the_first_optimizer_trains() -> None:
+    path = program("actor_critic_shared")
+    c = only(propose(FixFacts("inplace", tensor="net.trunk.2.weight", step=at(path, 30),
+                              failing_backward=at(path, 32), saved_at=at(path, 14))),
+             "reorder_backwards")
+    assert new_text(c).splitlines()[26:33] == [
+        "    critic_loss = (returns - value).pow(2).mean()",
+        "    critic_opt.zero_grad()",
+        "    critic_loss.backward(retain_graph=True)",
+        "    actor_opt.zero_grad()",
+        "    actor_loss.backward(retain_graph=True)",
+        "    actor_opt.step()  # changes trunk.* in place",
+        "    critic_opt.step()",
+    ]
+    assert "`retain_graph=True` on `critic_loss.backward()`, which now runs first" in c.summary
+    done = runs(c)
+    assert done.returncode == 0, done.stderr
+
+
+def test_reorder_backwards_moves_the_comments_above_and_needs_no_retain(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        a_opt.zero_grad()
+        a_loss.backward()
+        a_opt.step()
+        # the critic's turn
+        b_opt.zero_grad()
+        b_loss.backward()
+        b_opt.step()
+    """)
+    c = only(propose(FixFacts("inplace", tensor="trunk.weight", step=at(path, 3),
+                              failing_backward=at(path, 6))), "reorder_backwards")
+    assert new_text(c) == textwrap.dedent("""\
+        # the critic's turn
+        b_opt.zero_grad()
+        b_loss.backward()
+        a_opt.zero_grad()
+        a_loss.backward()
+        a_opt.step()
+        b_opt.step()
+    """)
+    assert "retain_graph" not in c.summary
+
+
+def test_refresh_when_one_forward_feeds_both_losses() -> None:
+    path = program("gan_one_dfake")
+    cands = propose(FixFacts("inplace", tensor="D.2.weight", step=at(path, 21),
+                             failing_backward=at(path, 23), saved_at=at(path, 16)))
+    c = cands[0]
+    assert c.family == "refresh"
+    assert changes(c) == [
+        "-    g_loss = bce(d_fake, ones)  # the same D(fake) as d_loss",
+        "+    d_fake = D(fake)",
+        "+    g_loss = bce(d_fake, ones)  # the same D(fake) as d_loss",
+    ]
+    assert new_text(c).splitlines()[19:22] == [
+        "    opt_d.step()", "    d_fake = D(fake)",
+        "    g_loss = bce(d_fake, ones)  # the same D(fake) as d_loss"]
+    done = runs(c)
+    assert done.returncode == 0, done.stderr
+
+
+def test_refresh_detaches_the_first_forwards_input_when_its_graph_is_freed(
+        tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        fake = G(z)
+        d_fake = D(fake)
+        d_loss = bce(d_fake, zeros)
+        g_loss = bce(d_fake, ones)
+        d_loss.backward()
+        opt_d.step()
+        g_loss.backward()
+    """)
+    c = only(propose(FixFacts("inplace", tensor="D.2.weight", step=at(path, 6),
+                              failing_backward=at(path, 7), saved_at=at(path, 2))), "refresh")
+    assert new_text(c) == textwrap.dedent("""\
+        fake = G(z)
+        d_fake = D(fake.detach())
+        d_loss = bce(d_fake, zeros)
+        d_loss.backward()
+        opt_d.step()
+        d_fake = D(fake)
+        g_loss = bce(d_fake, ones)
+        g_loss.backward()
+    """)
+    assert c.cut_at == (Line(path, 5, "d_loss.backward()"),)
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("lstm_state", "    state = tuple(s.detach() for s in state)"),
+    ("gru_state", "    state = state.detach()"),
+])
+def test_detach_state_after_the_call_that_returns_it(name: str, expected: str) -> None:
+    path = program(name)
+    # The watcher names no carrier for the LSTM's tuple: the loop's shape does.
+    cands = propose(FixFacts("freed", failing_backward=at(path, 31),
+                             first_backward=at(path, 31), saved_at=at(path, 17),
+                             step=at(path, 32)))
+    c = cands[0]
+    assert c.family == "detach_state"
+    assert changes(c) == ["+" + expected]
+    assert new_text(c).splitlines()[27:29] == ["    logits, state = model(x, state)", expected]
+    done = runs(c)
+    assert done.returncode == 0, done.stderr
+
+
+def test_detach_state_of_unknown_modules_works_for_both(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        import torch
+        state = None
+        for x in batches:
+            out, state = model(x, state)
+            out.sum().backward()
+    """)
+    c = only(propose(FixFacts("freed", failing_backward=at(path, 5))), "detach_state")
+    assert c.new == ("    state = state.detach() if isinstance(state, torch.Tensor) "
+                     "else tuple(s.detach() for s in state)")
+
+
+def test_move_forward_into_the_loop_and_never_detach_the_loss() -> None:
+    path = program("loss_before_loop")
+    cands = propose(FixFacts("freed", failing_backward=at(path, 14), first_backward=at(path, 14),
+                             saved_at=at(path, 11), step=at(path, 15), between="step"))
+    assert cands[0].family == "move_forward"
+    assert new_text(cands[0]).splitlines()[9:14] == [
+        "for _epoch in range(3):", "    out = model(x)", "    loss = crit(out, y)",
+        "    opt.zero_grad()", "    loss.backward()"]
+    # Detaching the loss being back-propagated leaves its backward nothing to run.
+    assert not any(".detach()" in x.new for x in cands)
+    done = runs(cands[0])
+    assert done.returncode == 0, done.stderr
+
+
+def test_accumulator_reset_and_item() -> None:
+    path = program("accumulator")
+    cands = propose(FixFacts("freed", carried="total", failing_backward=at(path, 15),
+                             first_backward=at(path, 15), saved_at=at(path, 12),
+                             step=at(path, 16), carried_use="forward", between="step"))
+    reset, item = cands[:2]
+    assert (reset.family, item.family) == ("reset_accumulator", "item_accumulator")
+    assert changes(reset) == ["+    total = 0"]
+    assert new_text(reset).splitlines()[15:17] == ["    opt.step()", "    total = 0"]
+    assert changes(item) == ["-    total = total + loss", "+    total = total + loss.item()",
+                             "-    total.backward()", "+    loss.backward()"]
+    # `total = 0` first: `total.detach()` would be an int's.
+    assert "detach_carried" not in [c.family for c in cands]
+    for c in (reset, item):
+        done = runs(c)
+        assert done.returncode == 0, done.stderr
+
+
+def test_item_accumulator_only_for_a_total_that_is_only_logged(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        total = torch.zeros(())
+        for x in batches:
+            loss = model(x).sum()
+            total += loss
+            total.backward()
+            opt.step()
+            print(f"{total.item():.3f}")
+    """)
+    cands = propose(FixFacts("freed", failing_backward=at(path, 5)))
+    assert [c.family for c in cands if c.family.endswith("accumulator")] == ["reset_accumulator"]
+    assert only(cands, "reset_accumulator").new == "    total = torch.zeros(())"
+
+
+def test_merged_step_says_zero_grad_only_when_one_moved(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        out = model(x)
+        a.backward(retain_graph=True)
+        opt.step()
+        b.backward()
+        opt.step()
+    """)
+    c = only(propose(FixFacts("inplace", tensor="model.weight", step=at(path, 3),
+                              failing_backward=at(path, 4))), "move_step")
+    assert "the step between them is gone" in c.summary and "zero_grad" not in c.summary

@@ -24,6 +24,20 @@ facts and gives nothing without them:
 - ``detach_made`` (``carried`` used as data): ``adv = (...).detach()`` where made.
 - ``detach_carried`` (``carried`` rebuilt from itself in a loop): ``h.detach()``
   where it feeds the next step.
+- ``backward_inputs`` (``step``, and another optimizer's step after the failing
+  backward): ``loss.backward(inputs=[p for g in opt.param_groups for p in g["params"]])``,
+  the loss trains only what that optimizer applies.
+- ``reorder_backwards`` (the same): the failing loss's ``zero_grad()`` and backward
+  (``retain_graph=True`` where the other needs the graph) before the other optimizer's.
+- ``refresh`` also where one forward (``d_fake = D(fake)``) feeds both losses, made
+  before the step: the forward and the failing loss made again after the step.
+- ``move_forward`` (a loss made once before the loop that back-propagates it): the
+  forward and the loss moved into the loop.
+- ``reset_accumulator`` (``total.backward()`` of a total never reset): ``total = 0``
+  again after the step; ``item_accumulator``: ``loss.backward()`` and
+  ``total += loss.item()``, where the total is only logged.
+- ``detach_state`` (``logits, state = model(x, state)``, an LSTM's tuple or a state
+  starting as ``None``): ``state`` detached right after the call.
 - ``retain_graph`` (``first_backward`` of a freed graph): ``retain_graph=True`` on it.
 - ``detach_second`` (``carried`` fed to a forward): ``fake.detach()`` in the
   second loss, which only hides the failure: rejected by rule.
@@ -41,8 +55,20 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from versionwatch._candidates.facts import FixFacts, Line, shown
-from versionwatch._candidates.freed import carried_families, complete, retain_graph
-from versionwatch._candidates.moves import move_update, one_forward, step_families, sum_backwards
+from versionwatch._candidates.freed import (
+    accumulator_families,
+    carried_families,
+    complete,
+    detach_state,
+    retain_graph,
+)
+from versionwatch._candidates.moves import (
+    move_forward,
+    move_update,
+    one_forward,
+    step_families,
+    sum_backwards,
+)
 from versionwatch._candidates.shared import (
     Candidate,
     Sources,
@@ -331,7 +357,10 @@ def propose(facts: FixFacts, sources: Sources | None = None,
     """
     sources = sources or Sources(dict(facts.sources))
     facts = complete(facts, sources)
-    out: list[Candidate] = []
+    # Shapes the program's loop has (a loss made before it, a total never reset, a
+    # state carried through it): each fits one shape only, so first when it fits.
+    out: list[Candidate] = [*move_forward(facts, sources), *accumulator_families(facts, sources),
+                            *detach_state(facts, sources)]
     if facts.kind == "freed":
         carried = carried_families(facts, sources)
         retain = retain_graph(facts, sources)

@@ -26,8 +26,10 @@ from versionwatch._candidates.shared import (
     callee,
     calls,
     candidate,
+    enclosing_loop,
     fed_to_forward,
     function_stmts,
+    loss_of,
     retain_edit,
     stmt_with,
 )
@@ -107,10 +109,13 @@ def carried_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
                     f"detaching `{name}` in the second loss only hides the failure: that loss "
                     f"no longer reaches the network that made `{name}`, so it is not trained "
                     "by it")))
+    loss = loss_of(fail)
     if len(made.targets) == 1 and isinstance(made.targets[0], ast.Name) \
             and made.targets[0].id == name:
         self_carried = any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(value))
-        if self_carried:
+        if self_carried and _plain_start(src, fail, name) is not None:
+            pass  # `total = 0` first: a number has no .detach() (the accumulator families)
+        elif self_carried:
             # h = rnn(x, h)  ->  h = rnn(x, h.detach())
             edits = [Edit(src.start(n), src.end(n), f"{name}.detach()") for n in ast.walk(value)
                      if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
@@ -118,7 +123,8 @@ def carried_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
                 "detach_carried", f"`{name}.detach()` where `{name}` feeds the next step "
                 f"(line {made.lineno}): each backward runs through its own step only "
                 "(truncated backpropagation through time)", src, edits))
-        elif use != "forward":
+        elif use != "forward" and not (isinstance(loss, ast.Name) and loss.id == name):
+            # Never the loss being back-propagated: its backward would have no graph.
             # adv = returns - values  ->  adv = (returns - values).detach()
             if atomic(value):
                 edits = [Edit(src.end(value), src.end(value), ".detach()")]
@@ -130,6 +136,27 @@ def carried_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
                 "it as data, and no backward reaches back through it into the graph that made "
                 "it", src, edits, cut_any=use == "data"))
     return [c for c in out if c is not None]
+
+
+def _plain_start(src: Source, at: ast.stmt, name: str) -> ast.Assign | None:
+    """The assignment that gives ``name`` its first value before ``at``'s loop, when it
+    is a Python number (``total = 0``, ``-1.0``), in ``at``'s function."""
+    loop = enclosing_loop(src, at)
+    if loop is None:
+        return None
+    first = None
+    for stmt in function_stmts(src, at, 0, loop.lineno - 1):
+        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name
+                                                for t in stmt.targets):
+            first = stmt
+    if first is None:
+        return None
+    v = first.value
+    if isinstance(v, ast.UnaryOp):
+        v = v.operand
+    number = isinstance(v, ast.Constant) and isinstance(v.value, (int, float)) \
+        and not isinstance(v.value, bool)
+    return first if number else None
 
 
 # -- facts the source gives ----------------------------------------------------------
@@ -226,3 +253,177 @@ def _between_by_source(facts: FixFacts, sources: Sources) -> FixFacts:
                                   src.line_text(steps[0].lineno).strip())
         return replace(facts, between="step", step=step)
     return replace(facts, between="write" if between else "nothing")
+
+
+# -- state and totals carried by the loop ---------------------------------------------
+
+_LOGGERS = ("print", "info", "debug", "warning", "log", "add_scalar", "write", "set_postfix")
+
+
+def _loop_start(src: Source, at: ast.stmt, loop: ast.stmt, name: str) -> ast.Assign | None:
+    """The last assignment to ``name`` alone before ``loop``, in ``at``'s function."""
+    found = None
+    for stmt in function_stmts(src, at, 0, loop.lineno - 1):
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 \
+                and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id == name:
+            found = stmt
+    return found
+
+
+def _after(src: Source, stmt: ast.stmt, line_text: str) -> Edit | None:
+    """A line of its own after ``stmt``, at its indent."""
+    if not src.alone(stmt):
+        return None
+    line = src.whole_lines(stmt)[1] + 1
+    return Edit((line, 0), (line, 0), f"{src.indent(stmt.lineno)}{line_text}\n")
+
+
+def detach_state(facts: FixFacts, sources: Sources) -> list[Candidate]:
+    """``logits, state = model(x, state)`` in a loop: ``state`` detached right after the
+    call that returns it, where ``state.detach()`` in the call cannot be (it starts as
+    ``None``, or it is an LSTM's tuple)."""
+    fb = facts.failing_backward
+    src = sources.at(fb)
+    if src is None or fb is None or facts.kind != "freed":
+        return []
+    fail = stmt_with(src, fb.line, lambda s: backward_call(s) is not None)
+    loop = enclosing_loop(src, fail) if fail is not None else None
+    if fail is None or loop is None:
+        return []
+    found: list[tuple[ast.Assign, str, bool]] = []
+    for stmt in function_stmts(src, fail, loop.lineno, fail.lineno - 1):
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                and isinstance(stmt.value, ast.Call)):
+            continue
+        target, call = stmt.targets[0], stmt.value
+        names = target.elts if isinstance(target, ast.Tuple) else [target]
+        args = {a.id for a in [*call.args, *(k.value for k in call.keywords)]
+                if isinstance(a, ast.Name)}
+        found += [(stmt, n.id, isinstance(target, ast.Tuple)) for n in names
+                  if isinstance(n, ast.Name) and n.id in args]
+    if facts.carried:
+        found = [f for f in found if f[1] == facts.carried] or found
+    if not found:
+        return []
+    stmt, name, tupled = found[0]
+    start = _loop_start(src, fail, loop, name)
+    start_value = start.value if start is not None else None
+    none_start = isinstance(start_value, ast.Constant) and start_value.value is None
+    if not tupled and not none_start:
+        return []  # `h = rnn(x, h)` from a tensor: detach_carried's `h.detach()` in the call
+    # A tuple (an LSTM's (h, c)) or a tensor (a GRU's, an RNN's h): from how it starts,
+    # else from the recurrent modules the file builds.
+    built = {callee(c) for c in ast.walk(src.tree) if isinstance(c, ast.Call)}
+    lstm = bool(built & {"LSTM", "LSTMCell"})
+    plain = bool(built & {"GRU", "RNN", "GRUCell", "RNNCell"})
+    if isinstance(start_value, ast.Tuple) or (lstm and not plain and none_start):
+        text = f"{name} = tuple(s.detach() for s in {name})"
+    elif (plain and not lstm) or (start_value is not None and not none_start):
+        text = f"{name} = {name}.detach()"
+    elif "torch" in src.text:
+        text = (f"{name} = {name}.detach() if isinstance({name}, torch.Tensor) "
+                f"else tuple(s.detach() for s in {name})")
+    else:
+        return []
+    edit = _after(src, stmt, text)
+    if edit is None:
+        return []
+    cand = candidate(
+        "detach_state", f"`{text}` right after `{src.segment(stmt)}` (line {stmt.lineno}): the "
+        "next batch starts from the state's values, and each backward runs through its own "
+        "batch only (truncated backpropagation through time)", src, [edit])
+    return [cand] if cand is not None else []
+
+
+def accumulator_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
+    """A total never reset (``total = 0`` before the loop, ``total = total + loss`` and
+    ``total.backward()`` in it): ``reset_accumulator`` starts it again after the step;
+    ``item_accumulator`` back-propagates the loss and adds up ``loss.item()``, when the
+    total is only back-propagated and logged."""
+    fb = facts.failing_backward
+    src = sources.at(fb)
+    if src is None or fb is None:
+        return []
+    fail = stmt_with(src, fb.line, lambda s: backward_call(s) is not None)
+    total = loss_of(fail) if fail is not None else None
+    loop = enclosing_loop(src, fail) if fail is not None else None
+    if fail is None or loop is None or not isinstance(total, ast.Name):
+        return []
+    name = total.id
+    acc: ast.stmt | None = None
+    term: ast.expr | None = None
+    for stmt in function_stmts(src, fail, loop.lineno, fail.lineno - 1):
+        if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Add) \
+                and isinstance(stmt.target, ast.Name) and stmt.target.id == name:
+            acc, term = stmt, stmt.value
+        elif (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+              and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id == name
+              and isinstance(stmt.value, ast.BinOp) and isinstance(stmt.value.op, ast.Add)):
+            left, right = stmt.value.left, stmt.value.right
+            if isinstance(left, ast.Name) and left.id == name:
+                acc, term = stmt, right
+            elif isinstance(right, ast.Name) and right.id == name:
+                acc, term = stmt, left
+    start = _loop_start(src, fail, loop, name)
+    if acc is None or term is None or start is None:
+        return []
+    out: list[Candidate | None] = []
+    place = src.block(fail)
+    anchor: ast.stmt = fail
+    if place is not None:
+        body, i_b = place
+        for st in body[i_b + 1:]:
+            if backward_call(st) is not None:
+                break
+            if any(callee(c) == "step" for c in calls(st)):
+                anchor = st
+                break
+    init = src.segment(start.value)
+    reset = _after(src, anchor, f"{name} = {init}")
+    if reset is not None:
+        out.append(candidate(
+            "reset_accumulator", f"`{name} = {init}` again after `{src.segment(anchor)}`: "
+            f"`{name}` adds up this iteration's loss only, so `{src.segment(fail)}` runs "
+            "through this iteration's graph, on the weights its forward used", src, [reset]))
+    if isinstance(term, ast.Name) and _only_logged(src, fail, name, {id(acc), id(fail)}):
+        edits = [Edit(src.start(term), src.end(term), f"{term.id}.item()"),
+                 Edit(src.start(total), src.end(total), term.id)]
+        out.append(candidate(
+            "item_accumulator", f"`{term.id}.backward()`, and `{name}` adds up "
+            f"`{term.id}.item()`: the total is kept for logging only, and each backward runs "
+            "through this iteration's loss", src, edits))
+    return [c for c in out if c is not None]
+
+
+def _only_logged(src: Source, at: ast.stmt, name: str, skip: set[int]) -> bool:
+    """Every other read of ``name`` in ``at``'s function is a value a logging call shows
+    (``print(total)``, an f-string in it): a float serves it as well as a tensor."""
+    func = src.function(at)
+    for node in ast.walk(func):
+        if not (isinstance(node, ast.Name) and node.id == name
+                and isinstance(node.ctx, ast.Load)) or src.function(node) is not func:
+            continue
+        stmt: ast.AST = node
+        while not isinstance(stmt, ast.stmt):
+            above = src.parent(stmt)
+            if above is None:
+                return False
+            stmt = above[0]
+        if id(stmt) in skip:
+            continue
+        up = src.parent(node)
+        if up is None or isinstance(up[0], (ast.Attribute, ast.Subscript)):
+            return False  # total.item(), total[0]: a tensor's
+        cur: ast.AST = node
+        logged = False
+        while cur is not stmt:
+            parent = src.parent(cur)
+            if parent is None:
+                break
+            cur = parent[0]
+            if isinstance(cur, ast.Call) and callee(cur) in _LOGGERS:
+                logged = True
+                break
+        if not logged:
+            return False
+    return True

@@ -12,10 +12,12 @@
 from __future__ import annotations
 
 import ast
+import builtins
 
-from versionwatch._candidates.facts import FixFacts
+from versionwatch._candidates.facts import FixFacts, Line
 from versionwatch._candidates.shared import (
     COMPOUND,
+    DATA_NAMESPACES,
     Candidate,
     Sources,
     backward_call,
@@ -23,23 +25,30 @@ from versionwatch._candidates.shared import (
     calls,
     candidate,
     dotted,
+    enclosing_loop,
     function_stmts,
     insert_after,
+    insert_before,
     is_true,
+    keyword_edit,
     loss_of,
     method_stmt,
+    moved_text,
     remove,
     retain_edit,
     stmt_with,
 )
-from versionwatch._candidates.source import Edit, Source
+from versionwatch._candidates.source import Edit, Source, apply
 
 
-def step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
+def _step_site(facts: FixFacts, sources: Sources,
+               ) -> tuple[Source, list[ast.stmt], int, int, str] | None:
+    """The step and the failing backward after it in one block: (source, the block, the
+    step's index, the backward's index, the stepping optimizer)."""
     src = sources.at(facts.step)
     if (src is None or facts.step is None or facts.failing_backward is None
             or facts.failing_backward.file != facts.step.file):
-        return []
+        return None
 
     def is_step(s: ast.stmt) -> bool:
         return any(callee(c) == "step" for c in calls(s))
@@ -47,18 +56,34 @@ def step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
     s_stmt = stmt_with(src, facts.step.line, is_step)
     b_stmt = stmt_with(src, facts.failing_backward.line, lambda s: backward_call(s) is not None)
     if s_stmt is None or b_stmt is None:
-        return []
+        return None
     step_call = next(c for c in calls(s_stmt) if callee(c) == "step")
     if not isinstance(step_call.func, ast.Attribute):
-        return []
+        return None
     receiver = src.segment(step_call.func.value)
     common = src.common_block(s_stmt, b_stmt)
     if common is None or common[1] >= common[2]:
-        return []
+        return None
     body, i_s, i_b = common
+    if body[i_s] is not s_stmt or body[i_b] is not b_stmt:
+        return None  # one of them sits in a block (`if ...:`) of its own: not moved out of it
+    return src, body, i_s, i_b, receiver
+
+
+def _stepper(stmt: ast.stmt, src: Source) -> str | None:
+    """The optimizer ``stmt`` steps (``opt`` of ``opt.step()``), if it is one step call."""
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) \
+            and isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr == "step":
+        return src.segment(stmt.value.func.value)
+    return None
+
+
+def step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
+    site = _step_site(facts, sources)
+    if site is None:
+        return []
+    src, body, i_s, i_b, receiver = site
     step, last = body[i_s], body[i_b]
-    if step is not s_stmt or last is not b_stmt:
-        return []  # one of them sits in a block (`if ...:`) of its own: not moved out of it
     zeros = [body[j] for j in range(i_s + 1, i_b)
              if method_stmt(body[j], "zero_grad", receiver, src)]
     later = None
@@ -77,7 +102,8 @@ def step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
         return []
     out = []
     if later is not None:
-        summary = (f"one `{receiver}.step()` after both backwards: the step (and zero_grad) "
+        moved = "the step (and zero_grad)" if zeros else "the step"
+        summary = (f"one `{receiver}.step()` after both backwards: {moved} "
                    f"between them is gone, so `{backward_text}` runs on the weights its forward "
                    "used and the step applies the gradients of both losses (as one backward of "
                    "their sum would)")
@@ -90,6 +116,9 @@ def step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
     refresh = _refresh(facts, src, body, i_s, i_b, receiver, backward_text)
     if later is None:
         out += refresh
+    # Another optimizer's step follows the failing backward: that loss trains only
+    # what that optimizer holds (an actor-critic's two heads over one trunk).
+    out += _other_optimizer(facts, src, body, i_s, i_b, receiver)
     first_stmt = None
     for j in range(i_s - 1, -1, -1):
         if backward_call(body[j]) is not None:
@@ -168,7 +197,7 @@ def _refresh(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: int, i_b: 
                     return []
                 edits.append(Edit(src.start(node), src.end(node), expr))
     if not edits:
-        return []
+        return _refresh_before(src, body, i_s, i_b, made, receiver, backward_text)
     cand = candidate(
         "refresh", f"`{expr}` again after `{receiver}.step()`: `{backward_text}` runs through "
         "a new forward on the weights the step changed, not through the one made before it",
@@ -349,3 +378,236 @@ def move_update(facts: FixFacts, sources: Sources) -> list[Candidate]:
     return []
 
 
+
+
+def _names(stmt: ast.AST, ctx: type[ast.expr_context]) -> set[str]:
+    return {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
+
+
+def _other_optimizer(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: int, i_b: int,
+                     receiver: str) -> list[Candidate]:
+    """``backward_inputs`` and ``reorder_backwards``: the failing backward is followed by
+    the step of another optimizer than the one that stepped before it."""
+    last = body[i_b]
+    other = None
+    for st in body[i_b + 1:]:
+        if backward_call(st) is not None:
+            break
+        opt = _stepper(st, src)
+        if opt is not None:
+            other = opt if opt != receiver else None
+            break
+    if other is None or facts.failing_backward is None:
+        return []
+    out: list[Candidate] = []
+    call, loss = backward_call(last), loss_of(last)
+    backward_text = src.segment(call) if call is not None else src.segment(last)
+    if (call is not None and loss is not None and isinstance(call.func, ast.Attribute)
+            and call.func.attr == "backward"
+            and not any(k.arg == "inputs" for k in call.keywords)):
+        params = f'[p for g in {other}.param_groups for p in g["params"]]'
+        edit = keyword_edit(src, call, "inputs", params)
+        loss_text = src.segment(loss)
+        cand = candidate(
+            "backward_inputs", f"`{loss_text}.backward(inputs=...)` over the parameters of "
+            f"`{other}`: the loss then trains only what `{other}.step()` applies, as the "
+            f"program's steps did, and its backward runs only through what they need, not "
+            f"through the weights `{receiver}.step()` changed that they do not",
+            src, [edit] if edit is not None else [], cut_at=(facts.failing_backward,))
+        if cand is not None:
+            out.append(cand)
+    reorder = _reorder_backwards(facts, src, body, i_s, i_b, receiver, other, backward_text)
+    return out + ([reorder] if reorder is not None else [])
+
+
+def _reorder_backwards(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: int, i_b: int,
+                       receiver: str, other: str, backward_text: str) -> Candidate | None:
+    """The failing loss's statements after the step (its ``zero_grad()``, its backward)
+    moved before the other optimizer's ``zero_grad()``/backward/step."""
+    moved = body[i_s + 1:i_b + 1]
+    if any(backward_call(st) is not None or _stepper(st, src) is not None
+           or isinstance(st, COMPOUND) for st in moved[:-1]):
+        return None
+    i_1 = next((j for j in range(i_s - 1, -1, -1) if backward_call(body[j]) is not None), None)
+    if i_1 is None:
+        return None
+    # Before the stepping optimizer's zero_grad: else its step would also apply the
+    # moved loss's gradients to the weights both losses reach.
+    ins = i_1
+    for j in range(i_1 - 1, -1, -1):
+        if backward_call(body[j]) is not None or _stepper(body[j], src) is not None:
+            break
+        if method_stmt(body[j], "zero_grad", receiver, src):
+            ins = j
+            break
+    reads = set().union(*(_names(st, ast.Load) for st in moved))
+    if reads & set().union(*(_names(st, ast.Store) for st in body[ins:i_s + 1])):
+        return None  # it reads what is made between: it cannot run before
+    # The moved backward now runs first, through the graph the other one needs too.
+    first_call = backward_call(body[i_1])
+    shared = facts.kind == "freed" or (first_call is not None and any(
+        k.arg == "retain_graph" and is_true(k.value) for k in first_call.keywords))
+    last_call = backward_call(body[i_b])
+    keep = retain_edit(src, last_call) if shared and last_call is not None else None
+    text = apply(src.text, [keep]) if keep is not None else src.text
+    # The retain edit keeps every line where it was: the same statements, in a new parse.
+    new_src = Source(src.path, text)
+    new_last = stmt_with(new_src, body[i_b].lineno, lambda s: backward_call(s) is not None)
+    place = new_src.block(new_last) if new_last is not None else None
+    if place is None:
+        return None
+    new_body = place[0]
+    anchor = new_body[ins]
+    indent = new_src.indent(anchor.lineno)
+    try:
+        edits = [remove(new_src, st) for st in new_body[i_s + 1:i_b + 1]]
+        edits.append(insert_before(new_src, anchor, "".join(
+            moved_text(new_src, st, indent) for st in new_body[i_s + 1:i_b + 1])))
+    except ValueError:
+        return None
+    zero = any(method_stmt(st, "zero_grad", other, src) for st in moved)
+    what = f"`{backward_text}`" + (f" and `{other}.zero_grad()`" if zero else "")
+    summary = (f"{what} move before `{src.segment(body[ins])}`: the backward runs on the "
+               f"weights its forward used, and each step still applies only its own loss's "
+               "gradients")
+    if keep is not None:
+        summary += (f"; `retain_graph=True` on `{backward_text}`, which now runs first, keeps "
+                    "the graph the other backward needs")
+    cand = candidate("reorder_backwards", summary, new_src, edits)
+    if cand is not None:
+        cand.files = {src.path: (src.text, cand.files[src.path][1])}
+    return cand
+
+
+def move_forward(facts: FixFacts, sources: Sources) -> list[Candidate]:
+    """A loss (and the forward it reads) made once before the loop whose every iteration
+    back-propagates it: both moved to the top of the loop's body."""
+    fb = facts.failing_backward
+    src = sources.at(fb)
+    if src is None or fb is None:
+        return []
+    fail = stmt_with(src, fb.line, lambda s: backward_call(s) is not None)
+    loss = loss_of(fail) if fail is not None else None
+    loop = enclosing_loop(src, fail) if fail is not None else None
+    if not isinstance(loss, ast.Name) or loop is None or fail is None:
+        return []
+    name = loss.id
+    if any(name in _names(st, ast.Store)
+           for st in function_stmts(src, fail, loop.lineno - 1, loop.end_lineno or loop.lineno)):
+        return []  # made in the loop: not this shape
+    place = src.block(loop)
+    if place is None:
+        return []
+    body, i_loop = place
+
+    def made_at(n: str, upto: int) -> int | None:
+        for j in range(upto - 1, -1, -1):
+            if n in _names(body[j], ast.Store):
+                return j if isinstance(body[j], ast.Assign) else None
+        return None
+
+    # A forward calls a value the program made (a model, a criterion), not an import, a
+    # class it defines or a builtin: those make models and data, which stay where they are.
+    makers = {a.asname or a.name.split(".")[0] for node in ast.walk(src.tree)
+              if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+    makers |= {node.name for node in ast.walk(src.tree) if isinstance(node, ast.ClassDef)}
+    makers |= set(dir(builtins)) | set(DATA_NAMESPACES)
+
+    def forward(st: ast.stmt) -> bool:
+        return isinstance(st, ast.Assign) and any(
+            (dotted(c.func) or "").split(".")[0] not in makers for c in calls(st.value))
+
+    first = made_at(name, i_loop)
+    if first is None:
+        return []
+    picked, queue = {first}, [first]
+    while queue:
+        k = queue.pop()
+        for n in _names(body[k], ast.Load):
+            m = made_at(n, k)
+            if m is not None and m not in picked and forward(body[m]):
+                picked.add(m)
+                queue.append(m)
+    moved = [body[k] for k in sorted(picked)]
+    made = set().union(*(_names(st, ast.Store) for st in moved))
+    if any(_names(body[k], ast.Load) & made for k in range(min(picked), i_loop)
+           if k not in picked):
+        return []  # a statement left before the loop reads what would move
+    anchor = loop.body[0]
+    indent = src.indent(anchor.lineno)
+    try:
+        edits = [remove(src, st) for st in moved]
+        edits.append(insert_before(src, anchor, "".join(moved_text(src, st, indent)
+                                                        for st in moved)))
+    except ValueError:
+        return []
+    what = ", ".join(f"`{src.segment(st)}`" for st in moved)
+    cand = candidate(
+        "move_forward", f"{what} move into the loop (line {loop.lineno}): each iteration's "
+        f"`{src.segment(fail)}` runs through a forward made on that iteration's weights, not "
+        "through the one made once before the loop, which the first backward freed", src, edits)
+    return [cand] if cand is not None else []
+
+
+def _refresh_before(src: Source, body: list[ast.stmt], i_s: int, i_b: int, made: ast.Assign,
+                    receiver: str, backward_text: str) -> list[Candidate]:
+    """One forward ``d_fake = D(fake)`` feeds both losses, both made before the step: the
+    forward again after the step, and the failing loss made again from it there.
+
+    Where the backward before the step frees the graph that made the forward's input
+    (no ``retain_graph=True``), that forward takes the input detached
+    (``D(fake.detach())``): the loss after the step reaches it through the new forward.
+    """
+    target, value = made.targets[0], made.value
+    loss = loss_of(body[i_b])
+    if not (isinstance(target, ast.Name) and isinstance(value, ast.Call)
+            and isinstance(loss, ast.Name)) or made not in body[:i_s]:
+        return []
+    name, expr = target.id, src.segment(value)
+    i_l = next((j for j in range(i_s - 1, -1, -1) if isinstance(body[j], ast.Assign)
+                and loss.id in _names(body[j], ast.Store)), None)
+    if i_l is None or name not in _names(body[i_l], ast.Load) or body.index(made) > i_l:
+        return []
+    made_again = body[i_l]
+    if (_names(made_again, ast.Load) - {name}) & set().union(
+            *(_names(st, ast.Store) for st in body[i_l + 1:i_s + 1])):
+        return []  # it reads what changes before the step: not made again the same
+    i_1 = next((j for j in range(i_s - 1, -1, -1) if backward_call(body[j]) is not None), None)
+    first_call = backward_call(body[i_1]) if i_1 is not None else None
+    detach: list[Edit] = []
+    if first_call is not None and not any(k.arg == "retain_graph" and is_true(k.value)
+                                          for k in first_call.keywords):
+        # The graph that made the input is freed by that backward: the forward before the
+        # step takes it detached (its loss trains the network of the forward only).
+        i_m = body.index(made)
+        makers = [st for st in body[:i_m]
+                  if isinstance(st, ast.Assign) and isinstance(st.value, ast.Call)]
+        for arg in value.args:
+            if isinstance(arg, ast.Name) and any(arg.id in _names(st, ast.Store)
+                                                 for st in makers):
+                detach.append(Edit(src.start(arg), src.end(arg), f"{arg.id}.detach()"))
+    step = body[i_s]
+    if not src.alone(step):
+        return []
+    indent = src.indent(step.lineno)
+    text = f"{indent}{name} = {expr}\n" + moved_text(src, made_again, indent)
+    line = src.whole_lines(step)[1] + 1
+    edits = [*detach, Edit((line, 0), (line, 0), text)]
+    read_between = any(loss.id in _names(st, ast.Load) for st in body[i_l + 1:i_s + 1])
+    if not read_between:
+        try:
+            edits.append(remove(src, made_again))
+        except ValueError:
+            return []
+    summary = (f"`{name} = {expr}` again after `{receiver}.step()`, and "
+               f"`{src.segment(made_again)}` made from it there: `{backward_text}` runs "
+               "through a new forward on the weights the step changed, not through the one "
+               "made before it")
+    cut: tuple[Line, ...] = ()
+    if detach and i_1 is not None and first_call is not None:
+        arg_text = ", ".join(src.span_text(e.start, e.end) for e in detach)
+        summary += (f"; the forward before the step takes `{arg_text}` detached, so that "
+                    f"`{src.segment(first_call)}` does not free the graph the new one needs")
+        cut = (Line(src.path, body[i_1].lineno, src.line_text(body[i_1].lineno).strip()),)
+    cand = candidate("refresh", summary, src, edits, cut_at=cut)
+    return [cand] if cand is not None else []

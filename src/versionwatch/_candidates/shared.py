@@ -277,9 +277,23 @@ def fed_to_forward(uses: list[tuple[ast.Name, ast.Call]]) -> bool:
 
 # -- statement moves -----------------------------------------------------------------
 
+def comment_start(src: Source, stmt: ast.stmt) -> int:
+    """The first line of the comment lines directly above ``stmt`` at its indent (its own
+    line when there are none): they say what the statement does, so they move with it."""
+    first = src.whole_lines(stmt)[0]
+    indent = src.indent(first)
+    line = first
+    while line > 1:
+        above = src.line_text(line - 1)
+        if not above.strip().startswith("#") or src.indent(line - 1) != indent:
+            break
+        line -= 1
+    return line
+
+
 def remove(src: Source, stmt: ast.stmt) -> Edit:
     if src.alone(stmt):
-        first, last = src.whole_lines(stmt)
+        first, last = comment_start(src, stmt), src.whole_lines(stmt)[1]
         return Edit((first, 0), (last + 1, 0), "")
     start, end = src.start(stmt), src.end(stmt)
     toks = list(src.tokens_between((start[0], 0), (end[0] + 1, 0)))
@@ -294,9 +308,10 @@ def remove(src: Source, stmt: ast.stmt) -> Edit:
 
 
 def moved_text(src: Source, stmt: ast.stmt, indent: str) -> str:
-    """``stmt`` as lines at ``indent`` (with its own trailing comment)."""
+    """``stmt`` as lines at ``indent`` (with its own trailing comment, and the comment
+    lines directly above it)."""
     if src.alone(stmt):
-        first, last = src.whole_lines(stmt)
+        first, last = comment_start(src, stmt), src.whole_lines(stmt)[1]
         old = src.indent(first)
         out = []
         for n in range(first, last + 1):
@@ -392,18 +407,42 @@ def backward_after(src: Source, line: int) -> ast.stmt | None:
     return None
 
 
+def insert_before(src: Source, anchor: ast.stmt, text: str) -> Edit:
+    """``text`` (whole lines, indented by the caller) above ``anchor`` and its comment lines."""
+    if not src.alone(anchor):
+        raise ValueError("cannot insert before a statement that shares its line")
+    line = comment_start(src, anchor)
+    return Edit((line, 0), (line, 0), text)
+
+
+def enclosing_loop(src: Source, stmt: ast.stmt) -> ast.For | ast.While | None:
+    """The innermost ``for``/``while`` of ``stmt``'s own function that holds it."""
+    func = src.function(stmt)
+    for outer in src.chain(stmt)[1:]:
+        if isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            return None
+        if isinstance(outer, (ast.For, ast.While)) and src.function(outer) is func:
+            return outer
+    return None
+
+
 def retain_edit(src: Source, call: ast.Call) -> Edit | None:
     """``retain_graph=True`` in backward ``call`` (``None``: it has it already)."""
+    return keyword_edit(src, call, "retain_graph", "True")
+
+
+def keyword_edit(src: Source, call: ast.Call, name: str, value: str) -> Edit | None:
+    """``name=value`` in ``call`` (``None``: it has it already)."""
     for k in call.keywords:
-        if k.arg == "retain_graph":
-            if is_true(k.value):
+        if k.arg == name:
+            if src.segment(k.value) == value:
                 return None
-            return Edit(src.start(k.value), src.end(k.value), "True")
+            return Edit(src.start(k.value), src.end(k.value), value)
     close = src.end(call)
     close = (close[0], close[1] - 1)  # the ")"
     toks = list(src.tokens_between(src.start(call), close))
     last_tok = toks[-1] if toks else None
     if last_tok is not None and last_tok.string == ",":  # keep the trailing comma
-        return Edit(last_tok.end, last_tok.end, " retain_graph=True,")
+        return Edit(last_tok.end, last_tok.end, f" {name}={value},")
     sep = "" if last_tok is None or last_tok.string == "(" else ", "
-    return Edit(close, close, f"{sep}retain_graph=True")
+    return Edit(close, close, f"{sep}{name}={value}")
