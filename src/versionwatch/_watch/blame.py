@@ -334,12 +334,10 @@ def suggest(report: Report) -> None:
             why = f"untested; `versionwatch fix {program}` checks it"
             fixes = []
             for c in propose(facts, main=main):
-                fix = Fix(**c.to_dict())
-                fix.why = c.hides or why
-                fixes.append(fix)
+                fixes.append(dataclasses.replace(Fix(**c.to_dict()), why=c.hides or why))
             if len(_SUGGESTED) >= _SUGGESTED_MAX:
                 _SUGGESTED.pop(next(iter(_SUGGESTED)))
             _SUGGESTED[key] = fixes
-        h.fixes = [dataclasses.replace(f) for f in fixes]
+        h.fixes = list(fixes)  # frozen: shared with the cache as they are
     except Exception:  # the advice stands; the report must not fail over a patch
         logger.debug("versionwatch: no candidate fixes for the report", exc_info=True)
