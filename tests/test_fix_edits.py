@@ -48,7 +48,7 @@ def only(cands: list[Candidate], family: str) -> Candidate:
     ("y.mul_(2)  # sigmoid saved y", "y = y.mul(2)  # sigmoid saved y"),
     ("z = y.add_(1)", "z = y = y.add(1)"),
     ("h += skip", "h = h + skip"),
-    ("h *= a + b   # scaled", "h = h * (a + b)   # scaled"),
+    ("h *= a + b   # scaled", "h = h * (a + b)  # scaled"),  # the comment not pushed right
     ("self.h -= f(x)", "self.h = self.h - f(x)"),
     ("t.relu_()", "t = t.relu()"),
     ("torch.relu_(t)", "t = torch.relu(t)"),
@@ -150,7 +150,7 @@ def test_module_built_line(tmp_path: Path) -> None:
                             module_class="Dropout"))
     assert c.family == "inplace_false" and c.keeps_values
     assert c.old == "    nn.Dropout(0.5, True),    # drop"
-    assert c.new == "    nn.Dropout(0.5, inplace=False),    # drop"
+    assert c.new == "    nn.Dropout(0.5, inplace=False),  # drop"
     assert "`relu` saved" in c.summary
 
 
@@ -353,7 +353,7 @@ def test_data_made_once_is_detached_where_made(tmp_path: Path) -> None:
     cands = propose(FixFacts("freed", carried="adv", first_backward=at(path, 4),
                              failing_backward=at(path, 4)))
     c = only(cands, "detach_made")
-    assert c.new == "adv = (returns - critic(obs)).detach()   # advantages"
+    assert c.new == "adv = (returns - critic(obs)).detach()  # advantages"
     assert c.cut_any
 
 

@@ -273,10 +273,12 @@ def fix_for(h: Hazard) -> str:
                 "after this backward (the step then also applies this backward's gradient: "
                 "right for two losses of one model, wrong for a GAN's discriminator)"
             )
+        what = ("an update under torch.no_grad(): EMA weights swapped in, a clamp, a weight "
+                "merge" if h.modified_by else "an optimizer step, or an update under "
+                "torch.no_grad()")
         return (
-            f"{name} was changed in place after the forward that saved it (an update under "
-            "torch.no_grad(): EMA weights swapped in, a clamp, a weight merge): make that "
-            "change after this backward, or re-run the forward after it"
+            f"{name} was changed in place after the forward that saved it ({what}): make "
+            "that change after this backward, or re-run the forward after it"
         )
     rewrite = rewrite_for(h)
     if rewrite is not None:
