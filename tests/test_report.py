@@ -71,7 +71,8 @@ def test_json_schema_fields():
                        "slot": "other", "saved_version": 0, "current_version": 1,
                        "modified_by": []}.items():
         assert h[key] == value, key
-    assert h["fix"].startswith("run every backward")
+    assert h["fix"].startswith("w3 was changed in place after the forward that saved it")
+    assert h["fixes"] == []  # check() has no watcher: no candidates, the advice stands
     assert h["torch_message"] == _pytorch_says(loss)
 
 

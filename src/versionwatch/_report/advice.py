@@ -268,7 +268,8 @@ def fix_for(h: Hazard) -> str:
         step = next((m for m in h.modified_by if m.kind == "optimizer.step"), None)
         if step is not None:
             return (
-                f"{step} changed {name} after the forward that saved it: re-run that forward "
+                f"{step.description}" + (f" at {step.site}" if step.site else "") +
+                f" changed {name} after the forward that saved it: re-run that forward "
                 "after the step (the backward then sees the new weights), or move the step "
                 "after this backward (the step then also applies this backward's gradient: "
                 "right for two losses of one model, wrong for a GAN's discriminator)"

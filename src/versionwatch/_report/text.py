@@ -181,6 +181,12 @@ def fix_line(h: Hazard) -> str:
     if fix is None:
         return h.fix
     status = "verified by versionwatch fix" if fix.verified else fix.why or "untested"
+    if fix.old and fix.new and "\n" not in fix.old + fix.new:
+        # One line changed: the line itself, as the user will read it in the file.
+        old, new = without_comment(fix.old).strip(), without_comment(fix.new).strip()
+        code, sep, reason = fix.summary.partition("`: ")
+        why = reason if sep and code.startswith("`") else fix.summary
+        return f"({status}) `{new}` instead of `{old}` at {fix.file}:{fix.line}: {why}"
     said = f"{fix.file}:{fix.line}" in fix.summary or f"line {fix.line}" in fix.summary
     return f"({status}) " + ("" if said else f"at {fix.file}:{fix.line}, ") + fix.summary
 

@@ -297,9 +297,6 @@ def _program() -> tuple[str | None, str]:
     Under pytest, the test that runs: ``versionwatch fix -m pytest NODEID``; else
     the script Python runs (``sys.argv[0]``), when it is the user's own file.
     """
-    test = os.environ.get("PYTEST_CURRENT_TEST")
-    if test:
-        return None, f"-m pytest {test.rsplit(' ', 1)[0]}"
     main = sys.argv[0] if sys.argv else ""
     if main.endswith(".py") and os.path.isfile(main) and not any(
             f"{os.sep}{d}{os.sep}" in os.path.realpath(main)
@@ -307,6 +304,9 @@ def _program() -> tuple[str | None, str]:
         from versionwatch._candidates import shown
 
         return os.path.abspath(main), shown(os.path.abspath(main))
+    test = os.environ.get("PYTEST_CURRENT_TEST")
+    if test:
+        return None, f"-m pytest {test.rsplit(' ', 1)[0]}"
     return None, "SCRIPT"
 
 
