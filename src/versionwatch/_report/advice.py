@@ -265,7 +265,9 @@ def fix_for(h: Hazard) -> str:
             "`.clone()`; or run the backward first"
         )
     if h.producer is None and h.requires_grad:
-        step = next((m for m in h.modified_by if m.kind == "optimizer.step"), None)
+        # Strict mode records a step's writes as an op at the step's line.
+        step = next((m for m in h.modified_by if m.kind == "optimizer.step"
+                     or (m.kind == "inplace_op" and "step()" in m.description)), None)
         if step is not None:
             return (
                 f"{step.description}" + (f" at {step.site}" if step.site else "") +
