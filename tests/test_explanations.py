@@ -606,8 +606,10 @@ def test_compiled_actor_critic_says_a_compiled_region_saved_it(mode, tmp_path_fa
     assert r.fact("saved by").startswith(
         "a compiled region (CompiledFunctionBackward.saved_tensors")
     assert r.fact("modified by").startswith(f"SGD.step() #1 at prog.py:{step}")
-    assert r.h["fix"].startswith(f"run every backward that needs {r.h['tensor']} before "
-                                 "optimizer.step()")
+    # The step's own line, and both ways out; never "sum the losses" for one loss.
+    assert r.h["fix"].startswith(f"SGD.step() #1 at prog.py:{step} changed {r.h['tensor']} "
+                                 "after the forward that saved it: re-run that forward")
+    assert "sum the losses" not in r.h["fix"]
     if mode == "replay":
         assert "which met the same hazard at backward" in r.h["replay"]
 

@@ -48,7 +48,7 @@ def only(cands: list[Candidate], family: str) -> Candidate:
     ("y.mul_(2)  # sigmoid saved y", "y = y.mul(2)  # sigmoid saved y"),
     ("z = y.add_(1)", "z = y = y.add(1)"),
     ("h += skip", "h = h + skip"),
-    ("h *= a + b   # scaled", "h = h * (a + b)   # scaled"),
+    ("h *= a + b   # scaled", "h = h * (a + b)  # scaled"),  # the comment not pushed right
     ("self.h -= f(x)", "self.h = self.h - f(x)"),
     ("t.relu_()", "t = t.relu()"),
     ("torch.relu_(t)", "t = torch.relu(t)"),
@@ -150,7 +150,7 @@ def test_module_built_line(tmp_path: Path) -> None:
                             module_class="Dropout"))
     assert c.family == "inplace_false" and c.keeps_values
     assert c.old == "    nn.Dropout(0.5, True),    # drop"
-    assert c.new == "    nn.Dropout(0.5, inplace=False),    # drop"
+    assert c.new == "    nn.Dropout(0.5, inplace=False),  # drop"
     assert "`relu` saved" in c.summary
 
 
@@ -353,7 +353,7 @@ def test_data_made_once_is_detached_where_made(tmp_path: Path) -> None:
     cands = propose(FixFacts("freed", carried="adv", first_backward=at(path, 4),
                              failing_backward=at(path, 4)))
     c = only(cands, "detach_made")
-    assert c.new == "adv = (returns - critic(obs)).detach()   # advantages"
+    assert c.new == "adv = (returns - critic(obs)).detach()  # advantages"
     assert c.cut_any
 
 
@@ -890,3 +890,106 @@ def test_merged_step_says_zero_grad_only_when_one_moved(tmp_path: Path) -> None:
     c = only(propose(FixFacts("inplace", tensor="model.weight", step=at(path, 3),
                               failing_backward=at(path, 4))), "move_step")
     assert "the step between them is gone" in c.summary and "zero_grad" not in c.summary
+# -- a boolean mask, comments (issue #32) ------------------------------------------------
+
+@pytest.mark.parametrize(("made", "line", "expected"), [
+    ("mask = torch.zeros(8, 5, dtype=torch.bool)", "probs[mask] = 0.0",
+     "probs = probs.masked_fill(mask, 0.0)"),
+    ("mask = scores > 0.5", "probs[mask] = -1e9", "probs = probs.masked_fill(mask, -1e9)"),
+    ("mask = (ids == pad).bool()", "probs[~mask] = 0", "probs = probs.masked_fill(~mask, 0)"),
+    ("keep = ids.ne(pad)", "probs[keep & (ids > 0)] = float('-inf')",
+     "probs = probs.masked_fill(keep & (ids > 0), float('-inf'))"),
+    ("mask = ids", "probs[probs < 0.1] = 0.0", "probs = probs.masked_fill(probs < 0.1, 0.0)"),
+])
+def test_boolean_mask_write_becomes_masked_fill(tmp_path: Path, made: str, line: str,
+                                                expected: str) -> None:
+    path = write_(tmp_path, made, line)
+    cands = propose(FixFacts("inplace", node="SoftmaxBackward0", write=at(path, 4),
+                             write_op="index_put_"))
+    assert [c.new for c in cands] == ["    " + expected, "    probs = probs.clone()"]
+    assert "masked_fill" in cands[0].summary and cands[0].keeps_values
+
+
+def write_(tmp_path: Path, made: str, line: str) -> str:
+    return write(tmp_path, f"""
+        def step(model, x, ids, pad, scores):
+            {made}
+            probs = model(x).softmax(-1)
+            {line}
+            return probs
+    """)
+
+
+@pytest.mark.parametrize(("made", "line"), [
+    ("mask = ids", "probs[mask] = 0.0"),            # not shown to be boolean: index_put
+    ("mask = ids.long()", "probs[mask] = 0.0"),
+    ("mask = scores > 0.5", "probs[mask] = values"),  # not a number: index_put
+])
+def test_index_write_without_a_boolean_mask_keeps_index_put(tmp_path: Path, made: str,
+                                                            line: str) -> None:
+    path = write_(tmp_path, made, line)
+    cands = propose(FixFacts("inplace", write=at(path, 4)))
+    assert "index_put" in cands[0].new and "masked_fill" not in cands[0].new
+
+
+def test_mask_parameter_is_not_assumed_boolean(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        def step(probs, mask):
+            probs[mask] = 0.0
+            return probs
+    """)
+    (first, _) = propose(FixFacts("inplace", write=at(path, 2)))
+    assert first.new == "    probs = probs.index_put((mask,), probs.new_tensor(0.0))"
+
+
+def test_masked_fill_patch_computes_what_the_write_did() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(8, 5, requires_grad=True)
+    mask = torch.zeros(8, 5, dtype=torch.bool)
+    mask[:, 0] = True
+    probs = logits.softmax(-1)
+    fixed = probs.masked_fill(mask, 0.0)  # the patch's line
+    fixed.max(-1).values.log().mean().backward()
+    with torch.no_grad():
+        ref = logits.softmax(-1).clone()
+        ref[mask] = 0.0
+    assert torch.equal(fixed.detach(), ref)
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+
+
+@pytest.mark.parametrize(("line", "expected"), [
+    # The longer code would push the comment right: it keeps its column ...
+    ("y.mul_(2)             # sigmoid saved y", "y = y.mul(2)          # sigmoid saved y"),
+    # ... or, where the code now reaches it, follows the code by its old gap.
+    ("h += skip  # residual", "h = h + skip  # residual"),
+    ("h += skip # residual", "h = h + skip # residual"),
+    # Shorter code: the comment moves with it, as before.
+    ("h = F.relu(h, inplace=True)  # act", "h = F.relu(h, inplace=False)  # act"),
+])
+def test_trailing_comment_is_not_pushed_right(tmp_path: Path, line: str, expected: str) -> None:
+    path = write(tmp_path, f"""
+        def step(y, h, skip):
+            {line}
+            return y
+    """)
+    (c, *_) = propose(FixFacts("inplace", write=at(path, 2)))
+    assert c.new == "    " + expected
+
+
+def test_comment_over_an_index_write_stays_with_it(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        for _ in range(3):
+            probs = logits.softmax(-1)
+            # drop the first class
+            # (softmax saved probs)
+            probs[:, 0] = 0.0
+            loss = probs.sum()
+    """)
+    (c,) = propose(FixFacts("inplace", write=at(path, 5), write_op="fill_"))
+    assert new_text(c).splitlines()[1:6] == [
+        "    probs = logits.softmax(-1)",
+        "    probs = probs.clone()",
+        "    # drop the first class",
+        "    # (softmax saved probs)",
+        "    probs[:, 0] = 0.0",
+    ]

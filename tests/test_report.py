@@ -46,9 +46,10 @@ def test_render_exact():
         "  tensor    w3 (float32[1])",
         "  saved by  MulBackward0.other, at version 0",
         "  now at    version 1",
-        "  fix       run every backward that needs w3 before optimizer.step() (or sum the "
-        "losses and call backward once), or re-run the forward after step(); any in-place "
-        "update under torch.no_grad() counts as well",
+        # check() without a watcher knows no write: the advice names both kinds.
+        "  fix       w3 was changed in place after the forward that saved it (an optimizer "
+        "step, or an update under torch.no_grad()): make that change after this backward, "
+        "or re-run the forward after it",
         "  pytorch   " + _pytorch_says(loss),
     ])
     assert "[torch.FloatTensor [1]] is at version 1; expected version 0 instead. Hint: " in text
@@ -70,7 +71,8 @@ def test_json_schema_fields():
                        "slot": "other", "saved_version": 0, "current_version": 1,
                        "modified_by": []}.items():
         assert h[key] == value, key
-    assert h["fix"].startswith("run every backward")
+    assert h["fix"].startswith("w3 was changed in place after the forward that saved it")
+    assert h["fixes"] == []  # check() has no watcher: no candidates, the advice stands
     assert h["torch_message"] == _pytorch_says(loss)
 
 

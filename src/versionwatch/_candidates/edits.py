@@ -6,7 +6,8 @@ facts and gives nothing without them:
 
 - ``out_of_place`` (``write``, on an activation): ``y.mul_(2)`` -> ``y = y.mul(2)``,
   ``x += e`` -> ``x = x + e``, ``t.relu_()`` -> ``t = t.relu()``, ``x[i] = v`` ->
-  ``x = x.index_put((i,), v)`` or ``x = x.clone()`` first, ``masked_fill_`` ->
+  ``x = x.index_put((i,), v)`` (``x = x.masked_fill(mask, v)`` for a boolean mask,
+  as the source shows it, and a number) or ``x = x.clone()`` first, ``masked_fill_`` ->
   ``masked_fill``, ``F.relu(x, inplace=True)`` -> ``inplace=False``.
 - ``inplace_false`` (``module_built``, else in-place modules found in the files):
   ``nn.ReLU(inplace=True)``, ``nn.Dropout(0.5, True)`` -> ``inplace=False``.
@@ -121,6 +122,53 @@ def _twin(method: str) -> str | None:
 
     base = method[:-1]
     return base if hasattr(torch.Tensor, base) else None
+
+
+# Tensor methods and torch functions whose result is a boolean tensor.
+_BOOLEAN = {"bool", "logical_not", "logical_and", "logical_or", "logical_xor", "isnan",
+            "isinf", "isfinite", "isposinf", "isneginf", "isclose", "eq", "ne", "lt", "le",
+            "gt", "ge", "greater", "less", "greater_equal", "less_equal", "not_equal",
+            "signbit", "isin"}
+
+
+def _is_bool_dtype(e: ast.expr) -> bool:
+    return dotted(e) in ("torch.bool", "bool")
+
+
+def _boolean(src: Source, e: ast.expr, depth: int = 0) -> bool:
+    """Whether the source shows ``e`` is a boolean tensor: a comparison, ``.bool()``,
+    ``dtype=torch.bool``, ``~``/``&``/``|`` of such, or a name only ever bound to one."""
+    if depth > 4:
+        return False
+    if isinstance(e, ast.Compare):
+        return True
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, (ast.Invert, ast.Not)):
+        return _boolean(src, e.operand, depth + 1)
+    if isinstance(e, ast.BinOp) and isinstance(e.op, (ast.BitAnd, ast.BitOr, ast.BitXor)):
+        return _boolean(src, e.left, depth + 1) and _boolean(src, e.right, depth + 1)
+    if isinstance(e, ast.Call):
+        if any(k.arg == "dtype" and _is_bool_dtype(k.value) for k in e.keywords):
+            return True
+        if isinstance(e.func, ast.Attribute):
+            if e.func.attr in _BOOLEAN:
+                return True
+            if e.func.attr in ("to", "type") and any(_is_bool_dtype(a) for a in e.args):
+                return True
+        return False
+    if isinstance(e, ast.Name):
+        values = src.values_of(e.id, e)
+        return bool(values) and all(_boolean(src, v, depth + 1) for v in values or ())
+    return False
+
+
+def _scalar(e: ast.expr) -> bool:
+    """A number as the user wrote it: ``0.0``, ``-1e9``, ``float("-inf")``."""
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, (ast.USub, ast.UAdd)):
+        e = e.operand
+    if isinstance(e, ast.Constant):
+        return isinstance(e.value, (int, float))  # bool too
+    return (isinstance(e, ast.Call) and dotted(e.func) == "float" and len(e.args) == 1
+            and isinstance(e.args[0], ast.Constant) and isinstance(e.args[0].value, str))
 
 
 def _out_of_place(facts: FixFacts, sources: Sources) -> list[Candidate]:
@@ -242,7 +290,17 @@ def _out_of_place_line(facts: FixFacts, sources: Sources) -> list[Candidate]:
             target = src.segment(sub.value)
             index = sub.slice.elts if isinstance(sub.slice, ast.Tuple) else [sub.slice]
             plain = not any(isinstance(e, (ast.Slice, ast.Starred, ast.Constant)) for e in index)
-            if isinstance(stmt, ast.Assign) and plain:
+            if isinstance(stmt, ast.Assign) and len(index) == 1 and _scalar(stmt.value) \
+                    and _boolean(src, index[0]):
+                # x[mask] = 0.0  ->  x = x.masked_fill(mask, 0.0)
+                edit = (f"{target} = {target}.masked_fill({src.segment(index[0])}, "
+                        f"{src.segment(stmt.value)})")
+                add("masked_fill_", candidate(
+                    "out_of_place", f"`{target} = {target}.masked_fill(mask, ...)`: the "
+                    f"out-of-place form leaves the tensor {saved_by} saved as it was; the values "
+                    "stay the same", src, [Edit(src.start(stmt), src.end(stmt), edit)],
+                    keeps_values=True))
+            elif isinstance(stmt, ast.Assign) and plain:
                 parts = [src.segment(e) for e in index]
                 idx = "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
                 v = stmt.value
@@ -257,7 +315,9 @@ def _out_of_place_line(facts: FixFacts, sources: Sources) -> list[Candidate]:
                           f"{target} = {target}.index_put({idx}, {val})")],
                     keeps_values=True))
             if src.alone(stmt):
-                clone = Edit((stmt.lineno, 0), (stmt.lineno, 0),
+                # Above the comment lines that say what the write does: they stay with it.
+                top = src.comments_above(stmt.lineno)
+                clone = Edit((top, 0), (top, 0),
                              f"{src.indent(stmt.lineno)}{target} = {target}.clone()\n")
             else:
                 clone = Edit(src.start(stmt), src.start(stmt), f"{target} = {target}.clone(); ")

@@ -178,6 +178,46 @@ class Source:
         after = self.line_text(e[0])[e[1]:].strip()
         return not before.strip() and (not after or after.startswith("#"))
 
+    def values_of(self, name: str, node: ast.AST) -> list[ast.expr] | None:
+        """Every value the function (or module) that holds ``node`` binds to ``name``.
+
+        ``None`` when some binding is no plain ``name = value`` (a parameter, a loop
+        variable, ``with ... as``, a tuple target, ``global``): what it holds is unknown.
+        """
+        scope = self.function(node)
+        if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = scope.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+            if any(p is not None and p.arg == name for p in params):
+                return None
+        out: list[ast.expr] = []
+        for n in ast.walk(scope):
+            if isinstance(n, (ast.Global, ast.Nonlocal)) and name in n.names:
+                return None
+            if not (isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)) \
+                    or self.function(n) is not scope:
+                continue
+            up = self.parent(n)
+            owner = up[0] if up else None
+            if isinstance(owner, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) \
+                    and owner.value is not None and up is not None \
+                    and up[1] in ("targets", "target"):
+                out.append(owner.value)
+            else:
+                return None
+        return out
+
+    def comments_above(self, line: int) -> int:
+        """The first of the comment lines directly above ``line`` (``line`` if none)."""
+        first = line
+        indent = self.indent(line)
+        while first > 1:
+            text = self.line_text(first - 1)
+            if not text.lstrip().startswith("#") or self.indent(first - 1) != indent:
+                break
+            first -= 1
+        return first
+
     def whole_lines(self, stmt: ast.stmt) -> tuple[int, int]:
         """First and last line of ``stmt`` (with its decorators)."""
         first = min([stmt.lineno, *(d.lineno for d in getattr(stmt, "decorator_list", ()))])
@@ -205,7 +245,52 @@ def apply(text: str, edits: Sequence[Edit]) -> str:
             raise ValueError("overlapping edits")
         out = out[:a] + e.text + out[b:]
         last = a
-    return out
+    return _comments_kept(text, out, edits)
+
+
+def _trailing_comments(text: str) -> dict[int, tuple[int, str]]:
+    """Line -> (column, text) of each comment that follows code on its line."""
+    found: dict[int, tuple[int, str]] = {}
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.COMMENT and tok.line[:tok.start[1]].strip():
+                found[tok.start[0]] = (tok.start[1], tok.string)
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    return found
+
+
+def _comments_kept(old: str, new: str, edits: Sequence[Edit]) -> str:
+    """``new`` with the trailing comment of each line an edit lengthened within the line
+    back at its column in ``old``, or where that no longer fits, after the code by the
+    gap it had (two spaces at most): not pushed right by the longer code. A comment
+    that the shorter code moved left stays there, with its gap."""
+    comments = _trailing_comments(old)
+    inline = {e.start[0] for e in edits if e.start[0] == e.end[0] and "\n" not in e.text}
+    inline -= {n for e in edits if e.start[0] != e.end[0] or "\n" in e.text
+               for n in range(e.start[0], e.end[0] + 1)}
+    if not inline & comments.keys():
+        return new
+    lines = new.splitlines(keepends=True)
+    for n in sorted(inline & comments.keys()):
+        # Lines an earlier edit added or removed move this one.
+        moved = n + sum(e.text.count("\n") - (e.end[0] - e.start[0]) for e in edits
+                        if e.end[0] < n)
+        if not 0 < moved <= len(lines):
+            continue
+        column, comment = comments[n]
+        line = lines[moved - 1]
+        body = line.rstrip("\r\n")
+        if not body.endswith(comment):
+            continue
+        code = body[:len(body) - len(comment)].rstrip()
+        if not code.strip() or len(body) - len(comment) <= column:
+            continue
+        before = old.splitlines()[n - 1][:column]
+        gap = min(len(before) - len(before.rstrip()), 2) or 1
+        at = max(column, len(code) + gap)
+        lines[moved - 1] = code + " " * (at - len(code)) + comment + line[len(body):]
+    return "".join(lines)
 
 
 def unified_diff(rel: str, old: str, new: str) -> str:

@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from versionwatch._process import end, environment, exited, kill_group, start, terminate, wait
-from versionwatch._report import Hazard, Modification, Report, Site, Writer, fix_for
+from versionwatch._report import Fix, Hazard, Modification, Report, Site, Writer, fix_for
 
 # The child's own option, N:PARENT:DEATH_FD:REPORT_FD: stop at backward N, write the
 # report to REPORT_FD, die when DEATH_FD (a pipe from PARENT) closes.
@@ -406,3 +406,5 @@ def _fill(h: Hazard, c: dict[str, Any]) -> None:
     # The hints that point at --replay: it ran.
     h.notes = [note for note in h.notes if "`versionwatch run --replay ...`" not in note]
     h.fix = fix_for(h)  # the lines may make it concrete (the write's own line, its module)
+    if c.get("fixes"):  # the replay's candidates, made from its lines
+        h.fixes = [Fix(**f) for f in c["fixes"]]

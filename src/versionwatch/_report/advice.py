@@ -265,10 +265,23 @@ def fix_for(h: Hazard) -> str:
             "`.clone()`; or run the backward first"
         )
     if h.producer is None and h.requires_grad:
+        # Strict mode records a step's writes as an op at the step's line.
+        step = next((m for m in h.modified_by if m.kind == "optimizer.step"
+                     or (m.kind == "inplace_op" and "step()" in m.description)), None)
+        if step is not None:
+            return (
+                f"{step.description}" + (f" at {step.site}" if step.site else "") +
+                f" changed {name} after the forward that saved it: re-run that forward "
+                "after the step (the backward then sees the new weights), or move the step "
+                "after this backward (the step then also applies this backward's gradient: "
+                "right for two losses of one model, wrong for a GAN's discriminator)"
+            )
+        what = ("an update under torch.no_grad(): EMA weights swapped in, a clamp, a weight "
+                "merge" if h.modified_by else "an optimizer step, or an update under "
+                "torch.no_grad()")
         return (
-            f"run every backward that needs {name} before optimizer.step() (or sum the "
-            "losses and call backward once), or re-run the forward after step(); any "
-            "in-place update under torch.no_grad() counts as well"
+            f"{name} was changed in place after the forward that saved it ({what}): make "
+            "that change after this backward, or re-run the forward after it"
         )
     rewrite = rewrite_for(h)
     if rewrite is not None:

@@ -322,6 +322,17 @@ class Fix:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def offered(self) -> bool:
+        """Whether a report may offer it as the fix: verified by a run, or not checked
+        and not one that only hides the failure (its ``why`` then says so)."""
+        return self.verified or (not self.checked and HIDES not in self.why)
+
+
+HIDES = "only hides"
+"""The words of a candidate's ``why`` that only hides the failure (``zero_grad(set_to_none=True)``,
+a detach in the failing loss): never offered as the fix."""
+
 
 @dataclass
 class Hazard:
@@ -376,7 +387,10 @@ class Hazard:
             (``CompiledFunctionBackward``): the ``def`` line of the compiled
             module's ``forward``, when known.
         fixes: patches of the user's lines for this hazard (:class:`Fix`),
-            verified ones first; filled by ``versionwatch fix``, empty otherwise.
+            verified ones first; a watcher fills it with the candidates, not
+            checked (their ``why`` says how to check them), and ``versionwatch
+            fix`` with the checked ones. The text's ``fix`` line shows the first
+            one it may offer (:attr:`Fix.offered`), else ``fix``.
         saved_in: ``saved_during`` in pieces (:class:`ForwardRef`), where a
             watcher or strict mode set it; internal.
         key: ``id()`` of the named tensor (the base, for a view); internal.

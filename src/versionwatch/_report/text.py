@@ -3,7 +3,8 @@
 It depends on the report, which knows nothing of it: loading this module
 registers the text renderer (and, through ``_dot``, the Graphviz one) that
 ``str(report)`` and ``report.to_dot()`` use. The package loads it at import.
-The fix itself is chosen in ``_advice``; this module only places it.
+The fix itself is a candidate patch (``Hazard.fixes``, filled by whoever made the
+report), else the advice of ``_advice``; this module only places it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from versionwatch._report.advice import rewrite_for
 from versionwatch._report.model import UNSURE_HOOKS, Hazard, Report, register_renderer
 from versionwatch._report.source_lines import without_comment
 
-__all__ = ["render_report"]
+__all__ = ["fix_line", "render_report"]
 
 
 def _headline(report: Report, h: Hazard) -> str:
@@ -169,6 +170,27 @@ def _facts(h: Hazard, report: Report | None = None) -> list[tuple[str, str]]:
     return facts
 
 
+def fix_line(h: Hazard) -> str:
+    """The fix a report shows: the first patch it may offer, else the advice (``h.fix``).
+
+    A patch is one of the candidates ``versionwatch fix`` checks (a watcher puts
+    them in ``h.fixes`` unchecked): the line says whether a run checked it and,
+    if not, how to, then where it edits and what it changes.
+    """
+    fix = next((f for f in h.fixes if f.offered), None)
+    if fix is None:
+        return h.fix
+    status = "verified by versionwatch fix" if fix.verified else fix.why or "untested"
+    if fix.old and fix.new and "\n" not in fix.old + fix.new:
+        # One line changed: the line itself, as the user will read it in the file.
+        old, new = without_comment(fix.old).strip(), without_comment(fix.new).strip()
+        code, sep, reason = fix.summary.partition("`: ")
+        why = reason if sep and code.startswith("`") else fix.summary
+        return f"({status}) `{new}` instead of `{old}` at {fix.file}:{fix.line}: {why}"
+    said = f"{fix.file}:{fix.line}" in fix.summary or f"line {fix.line}" in fix.summary
+    return f"({status}) " + ("" if said else f"at {fix.file}:{fix.line}, ") + fix.summary
+
+
 def _also(hazards: list[Hazard]) -> list[tuple[str, int]]:
     """One line per distinct hazard, with how many times it occurs, in order."""
     counts: dict[str, int] = {}
@@ -211,7 +233,7 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
         facts.append(("replay", report.replay))
     if report.rank is not None:
         facts.append(("rank", f"{report.rank[0]} of {report.rank[1]}"))
-    facts.append(("fix", h.fix))
+    facts.append(("fix", fix_line(h)))
     # The same kind of write on the other hazards' tensors: fixed the same way,
     # or the program fails again at the next one.
     seen = {h.fix}

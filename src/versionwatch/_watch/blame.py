@@ -10,7 +10,11 @@ from the ledger, as a note on the error.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import logging
+import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,6 +27,7 @@ from versionwatch._ledger import Tracked
 from versionwatch._report import (
     Between,
     Carrier,
+    Fix,
     Hazard,
     Modification,
     Report,
@@ -39,6 +44,8 @@ if TYPE_CHECKING:
     from versionwatch._watch.protocols import Blamed
 
 _W = TypeVar("_W", bound="Blamed")
+
+logger = logging.getLogger("versionwatch")
 
 # Default mode sees events, not ops: a write to an activation (or any tensor
 # it does not track) between two events has no line it could name.
@@ -92,6 +99,7 @@ def explain(w: _W, report: Report, scope: Sequence[_W]) -> _W:
             elif h.saved_at is None:
                 h.notes.append(_UNSEEN_SAVE)
         h.fix = fix_for(h)
+    suggest(report)
     owner = tracker(report.hazards[0].key if report.hazards else None)
     report.timeline = owner.timeline(report=report)
     owner.reports.append(report)
@@ -260,6 +268,7 @@ def after_error(w: Blamed, err: RuntimeError, report: Report | None, site: Site 
     h.fix = fix_for(h)
     h.torch_message = msg
     late = Report(hazards=[h], backward_site=site, rank=_distributed.rank())
+    suggest(late)
     w.reports.append(late)
     text = render_report(late, torch_message=False)
     add_note(err, f"versionwatch explains (PyTorch raised, unpredicted):\n{text}")
@@ -272,3 +281,63 @@ def name_record(names: dict[int, str], h: Hazard, rec: _strict.SavedRecord) -> N
     if name is not None:
         h.tensor, h.key, h.requires_grad = name, own if own in names else base, True
         h.view = own not in names
+
+
+# -- the fix: the candidates of versionwatch fix, unchecked ----------------------------------
+
+# Candidates by what they were made from: a loop that meets the same hazard at
+# every backward (on_hazard="log") reads and parses its files once.
+_SUGGESTED: dict[tuple[str, str | None, str], list[Fix]] = {}
+_SUGGESTED_MAX = 32
+
+
+def _program() -> tuple[str | None, str]:
+    """The main script (for in-place modules), and the command that checks a patch.
+
+    Under pytest, the test that runs: ``versionwatch fix -m pytest NODEID``; else
+    the script Python runs (``sys.argv[0]``), when it is the user's own file.
+    """
+    main = sys.argv[0] if sys.argv else ""
+    if main.endswith(".py") and os.path.isfile(main) and not any(
+            f"{os.sep}{d}{os.sep}" in os.path.realpath(main)
+            for d in ("site-packages", "dist-packages")):
+        from versionwatch._candidates import shown
+
+        return os.path.abspath(main), shown(os.path.abspath(main))
+    test = os.environ.get("PYTEST_CURRENT_TEST")
+    if test:
+        return None, f"-m pytest {test.rsplit(' ', 1)[0]}"
+    return None, "SCRIPT"
+
+
+def suggest(report: Report) -> None:
+    """Fill the first hazard's ``fixes`` with the patches ``versionwatch fix`` would check.
+
+    The candidates are made from the report alone, here, and not checked: each
+    one's ``why`` says how to check it (one that only hides the failure says so
+    instead). The report's fix line shows the first one it may offer, so that the
+    report and ``versionwatch fix`` say the same. It reads the user's files with
+    ``ast``, which only a reported hazard pays for; whatever fails here leaves the
+    fixes empty (the fix line is then the advice): a report never fails over it.
+    """
+    h = report.first
+    if h is None or h.fixes:
+        return
+    try:
+        from versionwatch._candidates import from_report, propose
+
+        main, program = _program()
+        facts = from_report(report)
+        key = (repr(facts.to_dict()), main, os.getcwd())
+        fixes = _SUGGESTED.get(key)
+        if fixes is None:
+            why = f"untested; `versionwatch fix {program}` checks it"
+            fixes = []
+            for c in propose(facts, main=main):
+                fixes.append(dataclasses.replace(Fix(**c.to_dict()), why=c.hides or why))
+            if len(_SUGGESTED) >= _SUGGESTED_MAX:
+                _SUGGESTED.pop(next(iter(_SUGGESTED)))
+            _SUGGESTED[key] = fixes
+        h.fixes = list(fixes)  # frozen: shared with the cache as they are
+    except Exception:  # the advice stands; the report must not fail over a patch
+        logger.debug("versionwatch: no candidate fixes for the report", exc_info=True)

@@ -361,6 +361,7 @@ class Watcher:
             _strict.end_step()
             self._optimizer_tracker.end_pending_steps()
         report = Report(hazards=hazards, rank=_distributed.rank())
+        _blame.suggest(report)
         self.reports.append(report)
         self._share(report)
         self._dispatch(report)
