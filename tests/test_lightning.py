@@ -340,10 +340,16 @@ def test_fix_option_logs_the_patches_unchecked(caplog: pytest.LogCaptureFixture)
     assert "`opt.step()` moves after `self.manual_backward(out.abs().mean())`" in rec.getMessage()
     assert "diff --git a/" in rec.getMessage() and "test_lightning.py" in rec.getMessage()
     assert Path(__file__).read_text(encoding="utf-8") == source  # nothing written
-    # Without fix=True: no patch, and none in the report.
+    # Without fix=True: no patch logged; the report holds the same candidates (its fix
+    # line shows the first one), each marked untested.
+    caplog.clear()
     model, cb = TwoLosses(), VersionWatch()
-    with pytest.raises(RuntimeError) as info:
-        _trainer(cb).fit(model)
+    with caplog.at_level(logging.ERROR, logger="versionwatch"):
+        with pytest.raises(RuntimeError) as info:
+            _trainer(cb).fit(model)
     err = _find(info.value, versionwatch.InplaceModificationError)
     assert isinstance(err, versionwatch.InplaceModificationError)
-    assert err.report.hazards[0].fixes == []
+    fixes = err.report.hazards[0].fixes
+    assert [f.family for f in fixes] == ["move_step", "sum_losses"]
+    assert all(not f.verified and f.why.startswith("untested; ") for f in fixes)
+    assert not [r for r in caplog.records if "a patch for it" in r.getMessage()]

@@ -212,7 +212,9 @@ def test_two_losses_one_step():
     out = model(torch.randn(8, 4))
     out.pow(2).mean().backward(retain_graph=True)
     opt.step()
+    opt.zero_grad()
     out.abs().mean().backward()
+    opt.step()
 
 
 def test_other_failure():
@@ -228,8 +230,10 @@ def test_fix_option_adds_the_verified_patch_to_the_report(pytester: pytest.Pytes
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines([
         "*- versionwatch fix -*",
-        "verified: `opt.step()` moves after `out.abs().mean().backward()`*",
-        "  checked: the program ran to its end (2 backward(s)), no hazard, no other error",
+        "verified: one `opt.step()` after both backwards: *",
+        "  checked: the program ran to its end (2 backward(s)), no hazard, no other error; its "
+        "optimizer step applies the gradients of the same losses as the program meant; the steps "
+        "it merges into one leave the parameters as the program's two did (within 0.0001)",
         "diff --git a/test_train.py b/test_train.py",
         "(1 more verified: `versionwatch fix -m pytest test_train.py::test_two_losses_one_step "
         "--assert=plain` shows them)",

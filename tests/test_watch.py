@@ -99,9 +99,10 @@ def test_seed_story_raises_at_iteration_2_second_backward_and_explains():
     assert "now at       version 2" in msg
     assert "SGD.step() #3" in msg and "(version 1 -> 2)" in msg
     assert "zero_grad(set_to_none=False)" in msg
-    fix = ("run every backward that needs model.w3 before optimizer.step() (or sum the "
-           "losses and call backward once), or re-run the forward after step()")
-    assert fix in msg
+    # The fix line is the patch `versionwatch fix` would check first, marked untested.
+    assert "fix          (untested; `versionwatch fix -m pytest tests/test_watch.py::" in msg
+    assert (f"checks it) at tests/test_watch.py:{line_of('seed-step1')}, one `optim.step()` "
+            "after both backwards") in msg, msg
 
     h = err.report.hazards[0]
     assert (h.tensor, h.node, h.slot) == ("model.w3", "MulBackward0", "other")

@@ -226,8 +226,9 @@ def _sum_losses(src: Source, first: ast.stmt, last: ast.stmt, body: list[ast.stm
                  Edit(src.start(b), src.end(b), total)]
     except ValueError:
         return []
-    summary = (f"one backward of `{a_text} + {b_text}`, then the step: the same "
-               "gradients as the two backwards, on the weights the forward used")
+    summary = (f"one backward of `{a_text} + {b_text}`, then one step: both losses' gradients, "
+               "taken on the weights the forward used, applied by a single step of each "
+               "optimizer after it")
     if family == "sum_backwards":
         summary = (f"one backward of `{a_text} + {b_text}`: the first backward no longer "
                    "changes (through the hooks it runs) the weights the second one needs, and "
@@ -390,18 +391,29 @@ def _other_optimizer(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: in
     the step of another optimizer than the one that stepped before it."""
     last = body[i_b]
     other = None
+    ends = True  # nothing steps or backwards after the failing backward, in its block
     for st in body[i_b + 1:]:
         if backward_call(st) is not None:
+            ends = False
             break
         opt = _stepper(st, src)
         if opt is not None:
+            ends = False
             other = opt if opt != receiver else None
             break
-    if other is None or facts.failing_backward is None:
+    if facts.failing_backward is None:
         return []
-    out: list[Candidate] = []
-    call, loss = backward_call(last), loss_of(last)
+    call = backward_call(last)
     backward_text = src.segment(call) if call is not None else src.segment(last)
+    if other is None:
+        # A backward whose gradients no step applies here (the block ends with it): run
+        # it before the step's zero_grad, which then clears what it left on the weights
+        # the step changes; the check says whether that trains as the program did.
+        reorder = _reorder_backwards(facts, src, body, i_s, i_b, receiver, "", backward_text) \
+            if ends else None
+        return [reorder] if reorder is not None else []
+    out: list[Candidate] = []
+    loss = loss_of(last)
     if (call is not None and loss is not None and isinstance(call.func, ast.Attribute)
             and call.func.attr == "backward"
             and not any(k.arg == "inputs" for k in call.keywords)):

@@ -187,8 +187,8 @@ def _steps(server: object) -> None:
         fixed_loop(model, optim)
     print(f"\nThe patched loop, watched: 3 iterations, {len(w.reports)} hazards. "
           "`versionwatch fix --apply train.py`")
-    print("writes the first verified patch; the other verified one sums the losses "
-          "(docs/fix.md).")
+    print("writes the first verified patch: verified means each optimizer step applies the "
+          "gradients the program meant (docs/fix.md).")
 
 
 if __name__ == "__main__":

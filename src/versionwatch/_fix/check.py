@@ -537,8 +537,7 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
                 continue
             return Training(_difference(opt, ref, step), "")
     if values:
-        said = (f"each of {steps} optimizer step(s) applies the gradients of the same losses as "
-                "the program meant")
+        said = f"{_its_steps(steps)} the gradients of the same losses as the program meant"
         if merged:
             said += ("; the steps it merges into one leave the parameters as the program's "
                      f"two did (within {TOLERANCE:g})")
@@ -548,8 +547,8 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
             said += (f"; the gradients of {_module_of(diverged)} differ from the program's, "
                      f"as they must: {RETIMED[candidate.family]} changes them")
     else:
-        said = (f"each of {steps} optimizer step(s) applies the gradients of the same losses as "
-                "the program's steps before the failure")
+        said = (f"{_its_steps(steps)} the gradients of the same losses as the program's steps "
+                "before the failure (no run of the program as meant: a freed graph)")
     return Training(None, said, steps, merged, diverged)
 
 
@@ -588,3 +587,7 @@ def _merge_values(refs: list[dict[str, Any]], step: dict[str, Any]) -> bool:
 
 def _count(n: int) -> str:
     return {2: "two", 3: "three", 4: "four"}.get(n, str(n))
+
+
+def _its_steps(n: int) -> str:
+    return "its optimizer step applies" if n == 1 else f"its {n} optimizer steps apply"
