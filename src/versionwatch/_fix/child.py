@@ -734,8 +734,9 @@ def main(argv: Sequence[str]) -> int:
         os.environ.pop("VERSIONWATCH_ON_HAZARD", None)  # a check raises at every hazard
         # "repair": the program as its author meant it (each backward sees what its
         # forward saved), the reference a candidate's training is compared with.
-        policy = "repair" if spec.get("on_hazard") == "repair" else "raise"
-        watcher = watch_all(on_hazard=policy, strict=spec.get("watch") == "strict")
+        repair = spec.get("on_hazard") == "repair"
+        watcher = watch_all(on_hazard="repair" if repair else "raise",
+                            strict=spec.get("watch") == "strict")
     tracker = Tracker(spec, scratch)
     tracker.install()  # after the watcher's own wrappers: it sees every backward first
     if watcher is not None and spec.get("on_hazard") != "repair":
