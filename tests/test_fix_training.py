@@ -269,3 +269,95 @@ def test_merging_two_momentum_steps_is_rejected(tmp_path: Path, server: ForkServ
     assert why(result, "move_step").startswith(said)
     assert why(result, "sum_losses").startswith(said)
     assert not any(c.family in ("move_step", "sum_losses") for c in result.verified)
+
+
+# -- every run from the same files, none of them the user's ------------------------------------
+
+SIDE_EFFECTS = '''\
+import os
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+start = 0
+if os.path.exists("ckpt.pt"):  # resume
+    state = torch.load("ckpt.pt")
+    model.load_state_dict(state["model"])
+    start = state["step"]
+if os.path.exists("data/old.txt"):
+    os.remove("data/old.txt")
+for step in range(start, start + 3):
+    out = model(torch.randn(8, 4))
+    opt.zero_grad()
+    out.pow(2).mean().backward(retain_graph=True)
+    opt.step()
+    opt.zero_grad()
+    out.abs().mean().backward()
+    opt.step()
+    with open("log.txt", "a") as f:
+        f.write(f"step {step}\\n")
+    torch.save({"model": model.state_dict(), "step": step + 1}, "ckpt.pt")
+'''
+
+
+def listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def scratch_folders() -> set[str]:
+    import tempfile
+
+    return {p.name for p in Path(tempfile.gettempdir()).glob("versionwatch-fix-*")}
+
+
+def test_check_runs_never_touch_the_users_folder(tmp_path: Path, server: ForkServer) -> None:
+    """Each run starts from a copy of the folder as it was: the checkpoint the program
+    resumes from, the log it appends to and the file it deletes stay as they were."""
+    from versionwatch._fix.command import main as fix_main
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "old.txt").write_text("keep\n", encoding="utf-8")
+    (tmp_path / "log.txt").write_text("step 0\n", encoding="utf-8")
+    (tmp_path / "train.py").write_text(SIDE_EFFECTS, encoding="utf-8")
+    before = listing(tmp_path)
+    temps = scratch_folders()
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert fix_main(["train.py"], server=server) == 1
+        assert listing(tmp_path) == before
+        assert fix_main(["--apply", "train.py"], server=server) == 0
+    finally:
+        os.chdir(here)
+    after = listing(tmp_path)
+    assert set(after) == set(before)
+    assert {k for k in before if after[k] != before[k]} == {"train.py"}
+    patched = after["train.py"].decode().splitlines()
+    assert "    opt.zero_grad()" in patched and patched.count("    opt.step()") == 1
+    assert scratch_folders() == temps  # no run's copy left behind
+
+
+def test_a_folder_too_big_to_copy_for_each_run_needs_in_place(
+        tmp_path: Path, server: ForkServer, capsys: pytest.CaptureFixture[str]) -> None:
+    from versionwatch._fix.command import main as fix_main
+    from versionwatch._fix.workspace import LIMIT_BYTES
+
+    (tmp_path / "train.py").write_text(SIDE_EFFECTS, encoding="utf-8")
+    with open(tmp_path / "dataset.bin", "wb") as f:
+        f.truncate(LIMIT_BYTES + 1)  # sparse: big to copy, nothing on disk
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert fix_main(["train.py"], server=server) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("versionwatch fix: error: the working folder holds over 256 MB")
+        assert "pass --in-place to run the checks in yours" in err
+        assert not (tmp_path / "log.txt").exists()  # nothing ran
+        # --in-place: the runs happen here, as the program's own would.
+        assert fix_main(["--in-place", "train.py"], server=server) == 1
+        assert (tmp_path / "log.txt").exists()
+    finally:
+        os.chdir(here)

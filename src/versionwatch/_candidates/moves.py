@@ -452,6 +452,8 @@ def _reorder_backwards(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: 
         if method_stmt(body[j], "zero_grad", receiver, src):
             ins = j
             break
+    if not other and ins == i_1:
+        return None  # no zero_grad to clear what it leaves: the step would apply it too
     reads = set().union(*(_names(st, ast.Load) for st in moved))
     if reads & set().union(*(_names(st, ast.Store) for st in body[ins:i_s + 1])):
         return None  # it reads what is made between: it cannot run before

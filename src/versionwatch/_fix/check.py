@@ -37,6 +37,7 @@ from typing import Any
 
 from versionwatch._candidates import Candidate, line_map, shown
 from versionwatch._fix.server import ForkServer
+from versionwatch._fix.workspace import Run as Place
 from versionwatch._process import end, environment, start, wait
 from versionwatch._report import Report
 
@@ -83,8 +84,13 @@ def run_child(program: list[str], *, scratch: dict[str, str] | None = None,
               stop_after: int | None = None, record_upto: int = 0, grads_upto: int = 0,
               grads_at: tuple[int, ...] = (), timeout: float = 120.0,
               workdir: str | None = None, server: ForkServer | None = None,
-              ledger: bool = False, on_hazard: str = "raise") -> Run:
-    """Run ``program`` (``["script.py", ...]``, ``["-m", mod, ...]``, ``["-c", code, ...]``)."""
+              ledger: bool = False, on_hazard: str = "raise",
+              where: Place | None = None) -> Run:
+    """Run ``program`` (``["script.py", ...]``, ``["-m", mod, ...]``, ``["-c", code, ...]``).
+
+    ``where``: the run's copy of the user's folders (:mod:`versionwatch._fix.workspace`):
+    the program runs there, its code named by the user's paths; default: in place.
+    """
     own = workdir is None
     folder = workdir or tempfile.mkdtemp(prefix="versionwatch-fix-")
     try:
@@ -94,7 +100,9 @@ def run_child(program: list[str], *, scratch: dict[str, str] | None = None,
             json.dump({"argv": program, "scratch": scratch or {}, "watch": watch,
                        "allow_mutation": allow_mutation, "stop_after": stop_after,
                        "record_upto": record_upto, "grads_upto": grads_upto,
-                       "grads_at": list(grads_at), "out": out, "cwd": os.getcwd(),
+                       "grads_at": list(grads_at), "out": out,
+                       "cwd": where.cwd if where is not None else os.getcwd(),
+                       "mirror": where.mirror if where is not None else [],
                        "ledger": ledger, "on_hazard": on_hazard}, f)
         err_path = spec_path[:-5] + ".err"
         began = time.monotonic()
@@ -434,7 +442,7 @@ def _difference(opt: str, ref: dict[str, Any], mine: dict[str, Any]) -> str:
         if extra or missing:
             groups.setdefault((extra, missing), []).append(key)
     if not groups:
-        return f"`{opt}.step()` applies the same losses a different number of times"
+        return _recount(opt, ref, mine)
     (extra, missing), keys = max(groups.items(), key=lambda kv: len(kv[1]))
     to = _module_of(keys)
     if extra and missing:
@@ -591,3 +599,25 @@ def _count(n: int) -> str:
 
 def _its_steps(n: int) -> str:
     return "its optimizer step applies" if n == 1 else f"its {n} optimizer steps apply"
+
+
+def _times(n: int) -> str:
+    return {1: "once", 2: "twice"}.get(n, f"{n} times")
+
+
+def _recount(opt: str, ref: dict[str, Any], mine: dict[str, Any]) -> str:
+    """The same losses, applied another number of times (a ``.grad`` not zeroed as before)."""
+    from collections import Counter
+
+    for key in sorted(set(ref) | set(mine)):
+        had = Counter(ref.get(key, {}).get("losses", []))
+        now = Counter(mine.get(key, {}).get("losses", []))
+        for loss in sorted(set(had) | set(now)):
+            if had[loss] != now[loss]:
+                keys = [k for k in sorted(set(ref) | set(mine))
+                        if Counter(ref.get(k, {}).get("losses", []))[loss] == had[loss]
+                        and Counter(mine.get(k, {}).get("losses", []))[loss] == now[loss]]
+                return (f"`{opt}.step()` would apply `{loss}`'s gradient to {_module_of(keys)} "
+                        f"{_times(now[loss])} where the program's step applies it "
+                        f"{_times(had[loss])} (its `.grad` is zeroed at other places)")
+    return f"`{opt}.step()` applies another gradient than the program's"

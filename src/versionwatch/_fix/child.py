@@ -64,6 +64,51 @@ _PYTORCH_SENTENCES = {
 }
 
 
+class _Mirror:
+    """A run's copy of the user's folders: a path in the copy -> the user's path."""
+
+    def __init__(self, pairs: Sequence[Sequence[str]]) -> None:
+        self.pairs = [(os.path.join(a, ""), os.path.join(b, "")) for a, b in pairs]
+
+    def original(self, path: str) -> str:
+        real = os.path.realpath(path)
+        for copy, user in self.pairs:
+            if real.startswith(copy):
+                return user + real[len(copy):]
+        return real
+
+    def copy_of(self, path: str) -> str:
+        """The run's copy of the user's ``path`` (``path`` where it is not under one)."""
+        real = os.path.realpath(path)
+        for copy, user in self.pairs:
+            if real.startswith(user):
+                return copy + real[len(user):]
+        return path
+
+
+MIRROR = _Mirror([])
+
+
+class _CopyLoader(importlib.abc.Loader):
+    """Executes a module from the run's copy; its code names the user's file (reports and
+    tracebacks say the user's lines), its ``__file__`` the copy (what it writes stays
+    there)."""
+
+    def __init__(self, copy: str, original: str) -> None:
+        self.copy, self.original = copy, original
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return None
+
+    def get_code(self, fullname: str) -> Any:
+        """For ``runpy`` (``fix -m pkg.mod``)."""
+        with open(self.copy, "rb") as f:
+            return compile(f.read(), self.original, "exec", dont_inherit=True)
+
+    def exec_module(self, module: ModuleType) -> None:
+        exec(self.get_code(module.__name__), module.__dict__)
+
+
 class _ScratchLoader(importlib.abc.Loader):
     """Executes a module's scratch copy; the module keeps its original ``__file__``."""
 
@@ -73,10 +118,13 @@ class _ScratchLoader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return None
 
+    def get_code(self, fullname: str) -> Any:
+        """For ``runpy`` (``fix -m pkg.mod`` of a patched module)."""
+        with open(self.scratch, "rb") as f:
+            return compile(f.read(), self.scratch, "exec", dont_inherit=True)
+
     def exec_module(self, module: ModuleType) -> None:
-        with open(self.scratch, encoding="utf-8") as f:
-            code = compile(f.read(), self.scratch, "exec", dont_inherit=True)
-        exec(code, module.__dict__)
+        exec(self.get_code(module.__name__), module.__dict__)
 
 
 class ScratchFinder(importlib.abc.MetaPathFinder):
@@ -87,16 +135,22 @@ class ScratchFinder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if not self.map:
+        if not self.map and not MIRROR.pairs:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is None or not spec.origin:
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
             return None
-        scratch = self.map.get(os.path.realpath(spec.origin))
-        if scratch is None:
+        original = MIRROR.original(spec.origin)
+        scratch = self.map.get(original)
+        loader: importlib.abc.Loader
+        if scratch is not None:
+            loader = _ScratchLoader(scratch)
+        elif original != os.path.realpath(spec.origin):
+            loader = _CopyLoader(spec.origin, original)
+        else:
             return None
         return importlib.util.spec_from_file_location(
-            fullname, spec.origin, loader=_ScratchLoader(scratch),
+            fullname, spec.origin, loader=loader,
             submodule_search_locations=spec.submodule_search_locations)
 
 
@@ -700,9 +754,12 @@ def _one_line(err: BaseException) -> str:
 
 def _run_main(argv0: str, scratch: dict[str, str]) -> None:
     filename = os.path.join(os.getcwd(), argv0)
-    source = scratch.get(os.path.realpath(filename), filename)
-    with open(source, encoding="utf-8") as f:
-        code = compile(f.read(), source, "exec", dont_inherit=True)
+    original = MIRROR.original(filename)
+    source = scratch.get(original)
+    # The code names the user's file (or the patched scratch copy, whose lines the
+    # record maps back); ``__file__`` is the run's copy, where its writes stay.
+    with open(source or filename, "rb") as f:
+        code = compile(f.read(), source or original, "exec", dont_inherit=True)
     main = ModuleType("__main__")
     main.__dict__.update(__file__=filename, __cached__=None, __package__=None, __spec__=None,
                          __builtins__=__builtins__)
@@ -715,6 +772,7 @@ def main(argv: Sequence[str]) -> int:
         spec = json.load(f)
     if spec.get("cwd"):
         os.chdir(spec["cwd"])  # a fork server's run: the program's working directory
+    MIRROR.pairs = _Mirror(spec.get("mirror") or []).pairs
     scratch = {os.path.realpath(k): v for k, v in (spec.get("scratch") or {}).items()}
     program: list[str] = spec["argv"]
     sys.meta_path.insert(0, ScratchFinder(scratch))
@@ -725,6 +783,8 @@ def main(argv: Sequence[str]) -> int:
         sys.argv = ["-c", *program[2:]]
         sys.path[0] = ""
     else:
+        if os.path.isabs(program[0]):
+            program = [MIRROR.copy_of(program[0]), *program[1:]]
         sys.argv = list(program)
         sys.path[0] = os.path.dirname(os.path.realpath(program[0]))
     watcher = None

@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -38,10 +38,12 @@ from versionwatch._candidates import (
 )
 from versionwatch._fix.check import Run, judge, run_child, usable, write_scratch
 from versionwatch._fix.server import ForkServer
+from versionwatch._fix.workspace import Workspace
 from versionwatch._report import Fix, Report
 
-USAGE = ("versionwatch fix [--check-steps N] [--timeout SECONDS] [--jobs N] [--fresh] [--apply] "
-         "[--json PATH] [--facts PATH] (SCRIPT | -m MODULE | -c CODE | -) [ARGS...]")
+USAGE = ("versionwatch fix [--check-steps N] [--timeout SECONDS] [--jobs N] [--fresh] "
+         "[--in-place] [--apply] [--json PATH] [--facts PATH] (SCRIPT | -m MODULE | -c CODE | -) "
+         "[ARGS...]")
 # Backwards recorded in full (losses, reach) and with their gradients.
 _RECORD_UPTO = 1000
 _GRADS_UPTO = 8
@@ -53,6 +55,7 @@ class FixResult:
 
     Attributes:
         status: ``"no_hazard"``, ``"not_ours"`` (the program failed otherwise),
+            ``"too_big"`` (the folders to copy for each run are too big: nothing ran),
             ``"unchecked"`` (a program that is not a file: patches as text),
             or ``"checked"``.
         exit_code: the command's exit status.
@@ -101,7 +104,8 @@ def _program_file(program: list[str]) -> str | None:
 
 def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: int = 3,
         timeout: float = 120.0, jobs: int = 1, fresh: bool = False,
-        sources: dict[str, str] | None = None, server: ForkServer | None = None) -> FixResult:
+        sources: dict[str, str] | None = None, server: ForkServer | None = None,
+        in_place: bool = False) -> FixResult:
     """Find the first hazard of ``program``, propose patches, and check each one.
 
     What ``versionwatch fix`` does, without printing or writing anything:
@@ -121,6 +125,11 @@ def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: i
         sources: source text of files that are not on disk (``"<string>"``).
         server: the fork server to run on (default: one of its own, where
             ``os.fork`` exists; one for many calls saves its start-up).
+        in_place: run every run in the working directory itself, with the
+            program's side effects there (default: each run in a fresh copy of
+            the working folder, and of the script's folder when it is
+            elsewhere; refused, status ``"too_big"``, over
+            :data:`~versionwatch._fix.workspace.LIMIT_BYTES`).
 
     Example:
         >>> import versionwatch
@@ -131,22 +140,36 @@ def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: i
     if not program or not all(isinstance(a, str) for a in program):
         raise TypeError("fix() takes the program as a list of strings: "
                         "['train.py', ARGS...], ['-m', 'pkg.mod', ...] or ['-c', CODE, ...]")
+    workspace = Workspace.for_program(program, in_place)
+    problem = workspace.plan()
+    if problem is not None:
+        return FixResult("too_big", 2, notes=[problem])
     own = server is None and not fresh and hasattr(os, "fork")
     if own:
         server = ForkServer()
     try:
-        result = _fix(program, facts, check_steps, timeout, jobs, sources, server)
+        result = _fix(program, facts, check_steps, timeout, jobs, sources, server, workspace)
         result.fill_report()
         return result
     finally:
+        workspace.close()
         if own and server is not None:
             server.close()
 
 
 def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: float,
-         jobs: int, sources: dict[str, str] | None, server: ForkServer | None) -> FixResult:
-    original = run_child(program, watch="strict", record_upto=_RECORD_UPTO,
-                         grads_upto=_GRADS_UPTO, timeout=timeout, server=server, ledger=True)
+         jobs: int, sources: dict[str, str] | None, server: ForkServer | None,
+         workspace: Workspace) -> FixResult:
+    def run(**kw: Any) -> Run:
+        # Each run in its own fresh copy of the user's folders, as they were at the start.
+        place = workspace.fresh()
+        try:
+            return run_child(program, timeout=timeout, server=server, ledger=True, where=place,
+                             **kw)
+        finally:
+            workspace.done(place)
+
+    original = run(watch="strict", record_upto=_RECORD_UPTO, grads_upto=_GRADS_UPTO)
     if original.status in ("completed", "stopped") or (
             original.status == "exited" and not original.exit):
         return FixResult("no_hazard", 0, original)
@@ -181,7 +204,7 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
         result.notes.append("not checked: the program is not a file that can be run again "
                             "with a patch; these patches are text only")
         return result
-    meant = _meant(program, facts, failing, check_steps, timeout, server)
+    meant = _meant(facts, failing, check_steps, run)
 
     # A silent write through .data is seen in strict mode only: check in the mode
     # that saw the hazard.
@@ -191,12 +214,10 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
         folder = tempfile.mkdtemp(prefix="versionwatch-fix-")
         try:
             scratch = write_scratch(c, folder)
-            run = run_child(program, scratch=scratch, watch=mode,
-                            stop_after=failing + check_steps,
-                            record_upto=failing + check_steps,
-                            grads_upto=min(failing, _GRADS_UPTO), timeout=timeout,
-                            workdir=folder, server=server, ledger=True)
-            judge(c, run, original, meant, failing, check_steps, timeout)
+            done = run(scratch=scratch, watch=mode, stop_after=failing + check_steps,
+                       record_upto=failing + check_steps,
+                       grads_upto=min(failing, _GRADS_UPTO), workdir=folder)
+            judge(c, done, original, meant, failing, check_steps, timeout)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -216,8 +237,8 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
     return result
 
 
-def _meant(program: list[str], facts: FixFacts, failing: int, check_steps: int,
-           timeout: float, server: ForkServer | None) -> Run | None:
+def _meant(facts: FixFacts, failing: int, check_steps: int,
+           run: Callable[..., Run]) -> Run | None:
     """The program as its author meant it: each backward sees what its forward saved.
 
     Strict mode's repair keeps a copy of every saved tensor a write would change
@@ -229,13 +250,12 @@ def _meant(program: list[str], facts: FixFacts, failing: int, check_steps: int,
         return None
     runs = (dict(watch="strict", on_hazard="repair"), dict(watch="none", allow_mutation=True))
     for how in runs:
-        run = run_child(program, stop_after=failing + check_steps,
-                        record_upto=failing + check_steps, grads_at=(failing,),
-                        timeout=timeout, server=server, ledger=True,
-                        watch=str(how["watch"]), on_hazard=str(how.get("on_hazard", "raise")),
-                        allow_mutation=bool(how.get("allow_mutation", False)))
-        if usable(run, failing):
-            return run
+        done = run(stop_after=failing + check_steps, record_upto=failing + check_steps,
+                   grads_at=(failing,), watch=str(how["watch"]),
+                   on_hazard=str(how.get("on_hazard", "raise")),
+                   allow_mutation=bool(how.get("allow_mutation", False)))
+        if usable(done, failing):
+            return done
     return None
 
 
@@ -326,6 +346,8 @@ def apply_patch(candidate: Candidate) -> str | None:
 def render(result: FixResult) -> str:
     """The text ``versionwatch fix`` prints: verified diffs first, then the rejected ones."""
     original = result.original
+    if result.status == "too_big":
+        return f"versionwatch fix: error: {result.notes[0]}"
     if result.status == "no_hazard":
         n = original.backwards if original else 0
         return f"versionwatch fix: no hazard ({n} backward(s) ran); nothing to fix"
@@ -425,7 +447,7 @@ def to_json(result: FixResult, target: str | None) -> dict[str, Any]:
 # -- the command ---------------------------------------------------------------------
 
 _VALUED = {"--check-steps", "--timeout", "--jobs", "--json", "--facts"}
-_FLAGS = {"--apply", "--fresh", "-h", "--help"}
+_FLAGS = {"--apply", "--fresh", "--in-place", "-h", "--help"}
 
 
 class _Usage(Exception):
@@ -434,7 +456,7 @@ class _Usage(Exception):
 
 def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     opts: dict[str, Any] = {"check_steps": 3, "timeout": 120.0, "jobs": 1, "apply": False,
-                            "fresh": False,
+                            "fresh": False, "in_place": False,
                             "json": None, "facts": None}
     i = 0
     while i < len(argv):
@@ -445,8 +467,8 @@ def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
         if arg in ("-h", "--help"):
             opts["help"] = True
             return opts, []
-        if arg in ("--apply", "--fresh"):
-            opts[arg[2:]] = True
+        if arg in ("--apply", "--fresh", "--in-place"):
+            opts[arg[2:].replace("-", "_")] = True
             i += 1
             continue
         if arg in ("-m", "-c"):
@@ -512,7 +534,8 @@ def main(argv: Sequence[str], *, server: ForkServer | None = None) -> int:
         return 2
     result = fix(program, facts=facts, check_steps=opts["check_steps"],
                  timeout=opts["timeout"], jobs=opts["jobs"], fresh=opts["fresh"],
-                 sources=sources, server=None if opts["fresh"] else server)
+                 sources=sources, server=None if opts["fresh"] else server,
+                 in_place=opts["in_place"])
     if opts["apply"] and result.status == "checked":
         if result.verified:
             problem = apply_patch(result.verified[0])
@@ -526,7 +549,8 @@ def main(argv: Sequence[str], *, server: ForkServer | None = None) -> int:
     text = render(result)
     if result.status == "not_ours" and result.original is not None and result.original.trace:
         print(result.original.trace.rstrip("\n"), file=sys.stderr)  # as the program says it
-    print(text, file=sys.stderr if result.status in ("no_hazard", "not_ours") else sys.stdout)
+    print(text, file=sys.stderr if result.status in ("no_hazard", "not_ours", "too_big")
+          else sys.stdout)
     if opts["json"]:
         target = program[1] if program[0] == "-m" else (
             "-c" if program[0] == "-c" else program[0])

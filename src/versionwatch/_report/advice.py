@@ -91,8 +91,10 @@ def _freed_fix(h: Hazard) -> str:
             "backward once, or re-run the forward before this backward"
         )
     name = (c.name if c is not None and c.name else h.carried_by) or ""
-    var = f"`{name}`" if name else "the tensor that carries it"
     role = c.role if c is not None else None
+    # Unnamed: words that fit each sentence below ("detach the state carried from one
+    # iteration to the next", "the tensor carries the graph ...").
+    var = f"`{name}`" if name else ("the state" if role == "state" else "the tensor")
     if role == "state":
         detach = f"`{name} = {name}.detach()`" if name else "`.detach()` on it"
         return (

@@ -1,0 +1,176 @@
+"""Where ``versionwatch fix`` runs the program: a scratch copy of the user's folders.
+
+Every run (the first one, the program as meant, each candidate's check) has side
+effects: a checkpoint written, a log appended, a file deleted. None of them may
+reach the user's folder, and each run must start from the same files, or the
+runs would not compare (a resumed checkpoint would go on from where the last
+run left it). So :class:`Workspace` takes a snapshot of the working folder (and
+of the script's folder when it is elsewhere) once, at the start, with the same
+relative layout, and gives each run a fresh copy of that snapshot.
+
+Folders a program does not write in (``.git``, a virtual environment, tools'
+caches) are linked, not copied. Where the rest is over :data:`LIMIT_BYTES` or
+:data:`LIMIT_FILES`, a copy per run would cost too much: :func:`Workspace.plan`
+says so, and ``versionwatch fix --in-place`` runs the checks in the user's own
+folder instead (with their side effects, as the program would have them).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass, field
+
+# A copy per run: what ``fix`` copies at most without --in-place (documented in
+# docs/fix.md). Most training folders hold code and a few small files; one that
+# holds its dataset is over it.
+LIMIT_BYTES = 256 * 1024 * 1024
+LIMIT_FILES = 20_000
+# Folders a training program reads at most: linked into each copy, never copied.
+_LINKED = {".git", ".hg", ".svn", "__pycache__", "node_modules", ".mypy_cache",
+           ".pytest_cache", ".ruff_cache", ".tox", ".nox", ".ipynb_checkpoints"}
+
+
+def _linked(path: str, name: str) -> bool:
+    return name in _LINKED or os.path.exists(os.path.join(path, name, "pyvenv.cfg"))
+
+
+@dataclass
+class Run:
+    """One run's copy: its working directory, and how its paths map to the user's."""
+
+    cwd: str
+    mirror: list[tuple[str, str]]  # (copy root, the user's root), real paths
+
+
+@dataclass
+class Workspace:
+    """The user's folders, snapshotted once; a fresh copy of the snapshot per run.
+
+    ``roots``: the user's folders (real paths), ``base``: their common folder.
+    ``in_place``: no copies; every run in the user's working directory.
+    """
+
+    roots: list[str]
+    base: str
+    in_place: bool = False
+    folder: str = ""
+    snapshot: str = ""
+    _runs: int = 0
+    _made: list[str] = field(default_factory=list)
+
+    @classmethod
+    def for_program(cls, program: list[str], in_place: bool = False) -> Workspace:
+        """The folders ``program`` (``["train.py", ...]``, ``-m``, ``-c``) reads by
+        relative path: the working directory, and a script's folder elsewhere."""
+        cwd = os.path.realpath(os.getcwd())
+        roots = [cwd]
+        if program and program[0] not in ("-m", "-c"):
+            here = os.path.dirname(os.path.realpath(program[0]))
+            if os.path.commonpath([here, cwd]) != cwd:
+                roots.append(here)
+        base = os.path.commonpath(roots)
+        return cls(roots, base, in_place)
+
+    def plan(self) -> str | None:
+        """Why the folders cannot be copied for every run (``None``: they can)."""
+        if self.in_place:
+            return None
+        size = files = 0
+        for root in self.roots:
+            for path, dirs, names in os.walk(root):
+                dirs[:] = [d for d in dirs if not _linked(path, d)]
+                files += len(names)
+                for name in names:
+                    try:
+                        size += os.lstat(os.path.join(path, name)).st_size
+                    except OSError:
+                        continue
+                if size > LIMIT_BYTES or files > LIMIT_FILES:
+                    return (f"{_shown_root(root)} holds over {LIMIT_BYTES >> 20} MB or "
+                            f"{LIMIT_FILES} files; each check run would copy it, so that "
+                            "the program's side effects stay out of your folder. Run it from "
+                            "a smaller folder, or pass --in-place to run the checks in yours "
+                            "(the program's side effects then happen there, once per run)")
+        return None
+
+    def open(self) -> None:
+        """Take the snapshot (once, before the first run)."""
+        if self.in_place or self.folder:
+            return
+        self.folder = tempfile.mkdtemp(prefix="versionwatch-fix-")
+        self.snapshot = os.path.join(self.folder, "snapshot")
+        for root in self.roots:
+            _copy(root, os.path.join(self.snapshot, os.path.relpath(root, self.base)))
+
+    def fresh(self) -> Run:
+        """A new copy of the snapshot for one run (the user's folder, in place)."""
+        if self.in_place:
+            return Run(os.path.realpath(os.getcwd()), [])
+        self.open()
+        self._runs += 1
+        top = os.path.join(self.folder, f"run{self._runs}")
+        shutil.copytree(self.snapshot, top, symlinks=True)
+        self._made.append(top)
+        top = os.path.realpath(top)
+        mirror = [(os.path.normpath(os.path.join(top, os.path.relpath(root, self.base))), root)
+                  for root in self.roots]
+        cwd = os.path.normpath(os.path.join(
+            top, os.path.relpath(os.path.realpath(os.getcwd()), self.base)))
+        return Run(cwd, mirror)
+
+    def done(self, run: Run) -> None:
+        """A run's copy is no longer needed."""
+        for top in list(self._made):
+            if run.cwd == top or run.cwd.startswith(os.path.realpath(top) + os.sep):
+                _remove(top)
+                self._made.remove(top)
+
+    def close(self) -> None:
+        if self.folder:
+            _remove(self.folder)
+            self.folder = ""
+
+
+def _shown_root(root: str) -> str:
+    try:
+        rel = os.path.relpath(root)
+    except ValueError:
+        return root
+    return "the working folder" if rel == "." else rel
+
+
+def _copy(src: str, dst: str) -> None:
+    """``src`` to ``dst``: files copied with their modes, tool folders linked."""
+    os.makedirs(dst, exist_ok=True)
+    with os.scandir(src) as entries:
+        for entry in entries:
+            target = os.path.join(dst, entry.name)
+            try:
+                if entry.is_symlink():
+                    os.symlink(os.readlink(entry.path), target)
+                elif entry.is_dir():
+                    if _linked(src, entry.name):
+                        os.symlink(entry.path, target)
+                    else:
+                        _copy(entry.path, target)
+                elif entry.is_file():
+                    shutil.copy2(entry.path, target)
+            except OSError:
+                continue  # unreadable: the run will see it missing, as it may see it denied
+
+
+def _remove(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    if not os.path.lexists(path):
+        return
+    # A program may leave a read-only folder behind: make it removable, then again.
+    for folder, dirs, _ in os.walk(path):
+        for name in [folder, *(os.path.join(folder, d) for d in dirs)]:
+            try:
+                os.chmod(name, stat.S_IRWXU)
+            except OSError:
+                pass
+    shutil.rmtree(path, ignore_errors=True)
