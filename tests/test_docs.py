@@ -374,6 +374,8 @@ STATUS: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {
     ("fix.md", "versionwatch fix gan.py"): (1, ()),
     ("fix.md", "versionwatch fix actor_critic.py"): (1, ()),
     ("fix.md", "versionwatch fix rnn.py"): (1, ()),
+    ("fix.md", "versionwatch fix train_momentum.py"): (1, ()),
+    ("fix.md", "versionwatch fix gan_one_dfake.py"): (1, ()),
     ("pytest.md", "pytest --versionwatch-fix -q tests/test_train.py"): (1, ()),
     ("lightning.md", "versionwatch fix train_lightning.py"): (1, ()),
     # pytest.md's tests: tests/test_train.py fails by design, in strict mode too.
