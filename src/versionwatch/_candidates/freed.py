@@ -369,29 +369,27 @@ def accumulator_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
         return []
     out: list[Candidate | None] = []
     place = src.block(fail)
-    anchor: ast.stmt = fail
-    if place is not None:
-        body, i_b = place
-        for st in body[i_b + 1:]:
-            if backward_call(st) is not None:
-                break
-            if any(callee(c) == "step" for c in calls(st)):
-                anchor = st
-                break
+    # At the end of the iteration: after the step, and after whatever logs the total
+    # (``print(total.item())`` still reads the tensor the iteration made).
+    anchor: ast.stmt = place[0][-1] if place is not None else fail
     init = src.segment(start.value)
     reset = _after(src, anchor, f"{name} = {init}")
     if reset is not None:
         out.append(candidate(
-            "reset_accumulator", f"`{name} = {init}` again after `{src.segment(anchor)}`: "
+            "reset_accumulator", f"`{name} = {init}` again at the end of each iteration: "
             f"`{name}` adds up this iteration's loss only, so `{src.segment(fail)}` runs "
             "through this iteration's graph, on the weights its forward used", src, [reset]))
     if isinstance(term, ast.Name) and _only_logged(src, fail, name, {id(acc), id(fail)}):
         edits = [Edit(src.start(term), src.end(term), f"{term.id}.item()"),
                  Edit(src.start(total), src.end(total), term.id)]
-        out.append(candidate(
+        item = candidate(
             "item_accumulator", f"`{term.id}.backward()`, and `{name}` adds up "
             f"`{term.id}.item()`: the total is kept for logging only, and each backward runs "
-            "through this iteration's loss", src, edits))
+            "through this iteration's loss", src, edits)
+        if item is not None:
+            # The check compares losses by name: this backward's is the total's, renamed.
+            item.extra["renames"] = {term.id: name}
+        out.append(item)
     return [c for c in out if c is not None]
 
 

@@ -183,7 +183,7 @@ def _refresh(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: int, i_b: 
     made = stmt_with(src, saved.line, lambda s: isinstance(s, ast.Assign))
     if not (isinstance(made, ast.Assign) and len(made.targets) == 1
             and isinstance(made.targets[0], ast.Name) and isinstance(made.value, ast.Call)):
-        return []
+        return _refresh_unpacked(src, body, i_s, i_b, receiver, backward_text)
     # Only a forward of plain values: re-running `model(torch.randn(...))` would draw new data.
     if not all(isinstance(a, (ast.Name, ast.Attribute, ast.Constant))
                for a in [*made.value.args, *(k.value for k in made.value.keywords)]):
@@ -226,9 +226,8 @@ def _sum_losses(src: Source, first: ast.stmt, last: ast.stmt, body: list[ast.stm
                  Edit(src.start(b), src.end(b), total)]
     except ValueError:
         return []
-    summary = (f"one backward of `{a_text} + {b_text}`, then one step: both losses' gradients, "
-               "taken on the weights the forward used, applied by a single step of each "
-               "optimizer after it")
+    summary = (f"one backward of `{a_text} + {b_text}`, then the step once: both losses' "
+               "gradients, taken on the weights the forward used, applied together")
     if family == "sum_backwards":
         summary = (f"one backward of `{a_text} + {b_text}`: the first backward no longer "
                    "changes (through the hooks it runs) the weights the second one needs, and "
@@ -406,11 +405,13 @@ def _other_optimizer(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: in
     call = backward_call(last)
     backward_text = src.segment(call) if call is not None else src.segment(last)
     if other is None:
-        # A backward whose gradients no step applies here (the block ends with it): run
-        # it before the step's zero_grad, which then clears what it left on the weights
-        # the step changes; the check says whether that trains as the program did.
+        # A backward whose gradients no step applies here (the block ends with it), in a
+        # program of two optimizers (an actor's loss after the critic's step): run it
+        # before the step's zero_grad, which then clears what it left on the weights the
+        # step changes; the check says whether that trains as the program did.
+        steppers = {_stepper(st, src) for st in ast.walk(src.tree) if isinstance(st, ast.stmt)}
         reorder = _reorder_backwards(facts, src, body, i_s, i_b, receiver, "", backward_text) \
-            if ends else None
+            if ends and len(steppers - {None}) >= 2 else None
         return [reorder] if reorder is not None else []
     out: list[Candidate] = []
     loss = loss_of(last)
@@ -423,8 +424,8 @@ def _other_optimizer(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: in
         cand = candidate(
             "backward_inputs", f"`{loss_text}.backward(inputs=...)` over the parameters of "
             f"`{other}`: the loss then trains only what `{other}.step()` applies, as the "
-            f"program's steps did, and its backward runs only through what they need, not "
-            f"through the weights `{receiver}.step()` changed that they do not",
+            f"program's steps did, and its backward no longer runs through the weights "
+            f"`{receiver}.step()` changed",
             src, [edit] if edit is not None else [], cut_at=(facts.failing_backward,))
         if cand is not None:
             out.append(cand)
@@ -561,6 +562,48 @@ def move_forward(facts: FixFacts, sources: Sources) -> list[Candidate]:
         f"`{src.segment(fail)}` runs through a forward made on that iteration's weights, not "
         "through the one made once before the loop, which the first backward freed", src, edits)
     return [cand] if cand is not None else []
+
+
+def _refresh_unpacked(src: Source, body: list[ast.stmt], i_s: int, i_b: int, receiver: str,
+                      backward_text: str) -> list[Candidate]:
+    """The forward the failing loss reads, made before the step by ``a, b = model(x)``
+    (or saved inside the model's ``forward``): the same statement again after the step."""
+    after = body[i_s + 1:i_b + 1]
+    reads = set().union(*(_names(st, ast.Load) for st in after))
+    written = set().union(*(_names(st, ast.Store) for st in after))
+    for j in range(i_s - 1, -1, -1):
+        st = body[j]
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1
+                and isinstance(st.value, ast.Call)):
+            continue
+        target = st.targets[0]
+        names = [target.id] if isinstance(target, ast.Name) else [
+            e.id for e in target.elts if isinstance(e, ast.Name)] if isinstance(
+            target, ast.Tuple) else []
+        if not names or not set(names) & reads:
+            continue
+        if set(names) & written:
+            return []
+        # Only a forward of plain values (a new torch.randn(...) would be new data), that
+        # reads nothing made between it and the step.
+        args = [*st.value.args, *(k.value for k in st.value.keywords)]
+        if not all(isinstance(a, (ast.Name, ast.Attribute, ast.Constant)) for a in args):
+            return []
+        between = set().union(*(_names(x, ast.Store) for x in body[j + 1:i_s + 1]))
+        if (_names(st, ast.Load) - set(names)) & between:
+            return []
+        step = body[i_s]
+        try:
+            edits = [insert_after(src, step, [st])]
+        except ValueError:
+            return []
+        text = src.segment(st)
+        cand = candidate(
+            "refresh", f"`{text}` again after `{receiver}.step()`: `{backward_text}` runs "
+            "through a new forward on the weights the step changed, not through the one made "
+            "before it", src, edits)
+        return [cand] if cand is not None else []
+    return []
 
 
 def _refresh_before(src: Source, body: list[ast.stmt], i_s: int, i_b: int, made: ast.Assign,

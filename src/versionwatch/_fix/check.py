@@ -1,25 +1,32 @@
-"""Checking a candidate: run the patched program and judge what it did.
+"""Checking a candidate: run the patched program and judge what it trains.
 
-A check runs the program again in a child (:mod:`versionwatch._fix.child`)
-with the candidate's files taken from scratch copies, under default mode, up to
-``check_steps`` backwards past the one that failed (or to its end), within a
-time limit. The candidate is **verified** when
+A check runs the program again in a child (:mod:`versionwatch._fix.child`),
+in a fresh copy of the user's folders (:mod:`versionwatch._fix.workspace`),
+with the candidate's files taken from scratch copies, under default mode, up
+to ``check_steps`` backwards past the one that failed (or to its end), within
+a time limit. The candidate is **verified** when
 
 * the hazard is gone, and no other error, hazard or non-zero exit came up;
 * no backward reaches a parameter through a forward made before an optimizer
   step changed that parameter (a stale gradient: the failure hidden, not fixed,
   as ``zero_grad(set_to_none=True)`` hides the seed story's);
-* where the patched program runs the same backwards, each one reaches every
-  parameter the original's did, except where the candidate cuts a path on
-  purpose (``D(fake.detach())`` in the discriminator's loss): a fix must not
-  stop a gradient the program trains with.
+* every optimizer step applies what the program as its author meant it applies
+  (:func:`compare_training`): the reference is the original run in strict
+  mode with ``on_hazard="repair"`` (each backward sees what its forward saved)
+  over the same backwards; each step must apply, to each parameter, the
+  gradients of the same losses (named from the source), with the same values
+  (bitwise, or within :data:`TOLERANCE` where the patch reorders an
+  accumulation); a step that merges several (one step of the summed
+  gradients) only where the parameters after it are the reference's; a
+  re-timed write (``refresh``, ``move_update``) may change the values behind
+  it, and says so. Without a reference (a freed graph), the steps are compared
+  with the original's before the failure, losses only, and each backward must
+  reach what the original's did.
 
 For a candidate that claims to keep the values, the losses and the gradients
 after each backward up to the failing one are compared with the original run's,
 bitwise: before the failure from the original run itself; at the failing
-backward of an in-place write, from a run of the original under
-``torch.autograd.graph.allow_mutation_on_saved_tensors()`` (the values the
-program meant: every saved tensor as it was saved).
+backward, from the reference.
 """
 
 from __future__ import annotations
@@ -490,6 +497,13 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
     """
     ref_steps = _by_optimizer(reference)
     my_steps = _by_optimizer(run)
+    renames: dict[str, str] = candidate.extra.get("renames") or {}
+    if renames:
+        # A family that back-propagates a term under its own name (item_accumulator:
+        # `loss.backward()` for `total.backward()`): the losses as the program names them.
+        my_steps = {opt: [{k: {**v, "losses": sorted(renames.get(n, n) for n in v["losses"])}
+                           for k, v in step.items()} for step in steps]
+                    for opt, steps in my_steps.items()}
     steps = 0
     merged = False
     diverged: list[str] = []
@@ -525,8 +539,10 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
                             exact = False
                         else:
                             return Training(
-                                f"the values differ: `{opt}.step()` #{j + 1} applies another "
-                                f"gradient to {_module_of(behind)} than the program meant", "")
+                                f"the values differ: `{opt}.step()` #{j + 1} would apply the "
+                                f"same losses' gradients to {_module_of(behind)}, but not the "
+                                "values the program meant (taken on other weights, or another "
+                                "batch)", "")
                 i += 1
                 steps += 1
                 continue
@@ -535,17 +551,19 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
             if span:
                 merged = True
                 if exact and not _merge_values(refs[i:i + span], step):
+                    stateful = any(st.get("stateful") for st in reference.steps
+                                   if st.get("optimizer") == opt)
                     return Training(
                         f"it changes the training: one `{opt}.step()` of the summed gradients "
                         f"instead of {_count(span)}, and the parameters after it differ from the "
-                        "program's (an optimizer with state, such as momentum or Adam, steps "
-                        "differently)", "")
+                        "program's" + (" (its optimizer keeps a state, momentum or moments, "
+                                       "that each step reads)" if stateful else ""), "")
                 i += span
                 steps += 1
                 continue
             return Training(_difference(opt, ref, step), "")
     if values:
-        said = f"{_its_steps(steps)} the gradients of the same losses as the program meant"
+        said = "each optimizer step applies the gradients of the same losses as the program meant"
         if merged:
             said += ("; the steps it merges into one leave the parameters as the program's "
                      f"two did (within {TOLERANCE:g})")
@@ -555,8 +573,9 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
             said += (f"; the gradients of {_module_of(diverged)} differ from the program's, "
                      f"as they must: {RETIMED[candidate.family]} changes them")
     else:
-        said = (f"{_its_steps(steps)} the gradients of the same losses as the program's steps "
-                "before the failure (no run of the program as meant: a freed graph)")
+        said = ("each optimizer step applies the gradients of the same losses as the "
+                "program's steps before the failure (a freed graph: no run of the program "
+                "as meant to compare values with)")
     return Training(None, said, steps, merged, diverged)
 
 
@@ -584,21 +603,28 @@ def _merge_span(refs: list[dict[str, Any]], i: int, step: dict[str, Any]) -> int
 
 
 def _merge_values(refs: list[dict[str, Any]], step: dict[str, Any]) -> bool:
+    """The merged step's update is the sum of the reference's: within the tolerance,
+    and within what rounding the parameter itself allows (an update is a difference
+    of two parameters: a few ulps of the parameter each, not of the update)."""
     for key, v in step.items():
         parts = [r[key]["update"] for r in refs if key in r]
         if not parts or v["update"] is None:
             continue
-        if not _close(_summed(parts), v["update"]):
+        after = v.get("after") or {}
+        eps = _EPS.get(str(after.get("dtype", "")), 2.0 ** -23)
+        if not _close(_summed(parts), v["update"],
+                      scale=8 * eps * float(after.get("norm", 0.0)) / TOLERANCE):
             return False
     return True
+
+
+_EPS = {"torch.float64": 2.0 ** -52, "torch.float32": 2.0 ** -23,
+        "torch.bfloat16": 2.0 ** -7, "torch.float16": 2.0 ** -10}
 
 
 def _count(n: int) -> str:
     return {2: "two", 3: "three", 4: "four"}.get(n, str(n))
 
-
-def _its_steps(n: int) -> str:
-    return "its optimizer step applies" if n == 1 else f"its {n} optimizer steps apply"
 
 
 def _times(n: int) -> str:

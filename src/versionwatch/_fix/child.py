@@ -271,15 +271,18 @@ def loss_names(frame: FrameType) -> list[str]:
     for stmt in _statements(filename, line):
         for node in ast.walk(stmt):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "backward"):
+                    and node.func.attr in ("backward", "manual_backward")):
                 continue
             base = node.func.value
-            through = ((isinstance(base, ast.Name) and base.id == "autograd")
-                       or (isinstance(base, ast.Attribute) and base.attr == "autograd"))
+            through = node.func.attr == "manual_backward" or (
+                (isinstance(base, ast.Name) and base.id in ("autograd", "accelerator"))
+                or (isinstance(base, ast.Attribute) and base.attr in ("autograd", "accelerator")))
             if through and node.args:
-                found.append((node, node.args[0]))  # torch.autograd.backward(loss)
+                # torch.autograd.backward(loss), self.manual_backward(loss) (Lightning),
+                # accelerator.backward(loss) (Accelerate)
+                found.append((node, node.args[0]))
             elif not through:
-                found.append((node, base))  # loss.backward()
+                found.append((node, _unscaled(base)))  # loss.backward()
     if len(found) > 1:
         # Two backwards on one line (``a.backward(); b.backward()``): the one running,
         # by the column of the frame's instruction (Python 3.11+).
@@ -291,6 +294,14 @@ def loss_names(frame: FrameType) -> list[str]:
     if found:
         return _terms(found[0][1])
     return [f"backward at line {line}"]
+
+
+def _unscaled(node: ast.expr) -> ast.expr:
+    """``loss`` for ``scaler.scale(loss)`` (mixed precision): the loss is what it scales."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "scale" and len(node.args) == 1):
+        return node.args[0]
+    return node
 
 
 def _read(term: str, frame: FrameType) -> Any:
@@ -363,18 +374,32 @@ class _Sketch:
         return list(cls._dirs[n])
 
 
+def _holds(value: Any, opt: torch.optim.Optimizer) -> bool:
+    """``value`` is ``opt``, or a wrapper of it (Lightning's ``LightningOptimizer``,
+    Accelerate's ``AcceleratedOptimizer``: ``.optimizer``, ``._optimizer``)."""
+    if value is opt:
+        return True
+    if isinstance(value, (int, float, str, bytes, type(None), torch.Tensor, nn.Module)):
+        return False
+    try:
+        inner = vars(value)
+    except TypeError:
+        return False
+    return inner.get("optimizer") is opt or inner.get("_optimizer") is opt
+
+
 def _optimizer_name(opt: torch.optim.Optimizer, frame: FrameType | None) -> str | None:
     """The program's own name for ``opt`` (``opt_d``, ``self.critic_opt``), from its frames."""
     while frame is not None:
         if not _library(frame.f_code.co_filename):
             for scope in (frame.f_locals, frame.f_globals):
                 for var, value in list(scope.items()):
-                    if value is opt:
+                    if _holds(value, opt):
                         return str(var)
             me = frame.f_locals.get("self")
             if me is not None:
                 for var, value in list(getattr(me, "__dict__", {}).items()):
-                    if value is opt:
+                    if _holds(value, opt):
                         return f"self.{var}"
         frame = frame.f_back
     return None
@@ -477,6 +502,10 @@ class Tracker:
             if self.ledger:
                 entry["optimizer"] = self._label(opt)
                 entry["applied"] = self._applied(self.params_before.pop(id(opt), []))
+                # A state the next step reads (momentum, Adam's moments): merged steps
+                # then differ from the program's two for that reason.
+                entry["stateful"] = any(isinstance(v, torch.Tensor)
+                                        for st in opt.state.values() for v in st.values())
             self.step_log.append(entry)
 
     def _zeroed(self, p: torch.Tensor) -> bool:

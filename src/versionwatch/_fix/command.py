@@ -197,6 +197,15 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
             facts = replace(facts, failing_backward=Line(rec["site"][0], int(rec["site"][1])))
     candidates = propose(replace(facts, sources={**facts.sources, **texts}),
                          Sources({**facts.sources, **texts}), main=_program_file(program))
+    # Two families can write the same patch: it is checked, and shown, once.
+    seen: set[tuple[tuple[str, str], ...]] = set()
+    unique = []
+    for c in candidates:
+        key = tuple(sorted((path, new) for path, (_, new) in c.files.items()))
+        if key not in seen:
+            seen.add(key)
+            unique.append(c)
+    candidates = unique
     result = FixResult("checked", 1, original, facts, candidates, failing=failing,
                        check_steps=check_steps, asked_at=asked_at)
     if program[0] == "-c" or any(p.startswith("<") for c in candidates for p in c.files):
@@ -401,10 +410,7 @@ def render(result: FixResult) -> str:
         out.append("")
         out.append("rejected:")
         for c in rejected:
-            old = c.old.strip().splitlines()
-            new = c.new.strip().splitlines()
-            change = f"{old[0] if old else ''} -> {new[0] if new else '(removed)'}"
-            out.append(f"  {c.family} at {shown(c.file)}:{c.line}: {change}")
+            out.append(f"  {c.family} at {shown(c.file)}:{c.line}: {_head(c)}")
             out.append(f"    {c.why}")
     if result.applied is not None:
         out.append("")
@@ -412,6 +418,13 @@ def render(result: FixResult) -> str:
                    f"{', '.join(shown(p) for p in result.applied.files)}")
     out.extend(f"versionwatch fix: {note}" for note in result.notes)
     return "\n".join(out)
+
+
+def _head(c: Candidate) -> str:
+    """What a rejected candidate changes, in a few words: its summary's first clause
+    (a move's old and new lines are the same text, so they would say nothing)."""
+    head = c.summary.split(": ", 1)[0]
+    return head if len(head) <= 120 else head[:117] + "..."
 
 
 def to_json(result: FixResult, target: str | None) -> dict[str, Any]:

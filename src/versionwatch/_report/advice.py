@@ -275,8 +275,8 @@ def fix_for(h: Hazard) -> str:
                 f"{step.description}" + (f" at {step.site}" if step.site else "") +
                 f" changed {name} after the forward that saved it: re-run that forward "
                 "after the step (the backward then sees the new weights), or move the step "
-                "after this backward (the step then also applies this backward's gradient: "
-                "right for two losses of one model, wrong for a GAN's discriminator)"
+                "after this backward (one step then applies both backwards' gradients: "
+                "`versionwatch fix` checks which of these trains as the program meant)"
             )
         what = ("an update under torch.no_grad(): EMA weights swapped in, a clamp, a weight "
                 "merge" if h.modified_by else "an optimizer step, or an update under "

@@ -9,6 +9,8 @@ report), else the advice of ``_advice``; this module only places it.
 
 from __future__ import annotations
 
+import re
+
 from versionwatch._report import dot as _dot  # noqa: F401  (loads and registers the Graphviz renderer)
 from versionwatch._report.advice import rewrite_for
 from versionwatch._report.model import UNSURE_HOOKS, Hazard, Report, register_renderer
@@ -184,8 +186,9 @@ def fix_line(h: Hazard) -> str:
     if fix.old and fix.new and "\n" not in fix.old + fix.new:
         # One line changed: the line itself, as the user will read it in the file.
         old, new = without_comment(fix.old).strip(), without_comment(fix.new).strip()
-        code, sep, reason = fix.summary.partition("`: ")
-        why = reason if sep and code.startswith("`") else fix.summary
+        # The summary's own head (`new code` [at file:line]:) is what this line shows.
+        head = re.match(r"`[^`]*`(?: at \S+:\d+)?: ", fix.summary)
+        why = fix.summary[head.end():] if head else fix.summary
         return f"({status}) `{new}` instead of `{old}` at {fix.file}:{fix.line}: {why}"
     said = f"{fix.file}:{fix.line}" in fix.summary or f"line {fix.line}" in fix.summary
     return f"({status}) " + ("" if said else f"at {fix.file}:{fix.line}, ") + fix.summary
