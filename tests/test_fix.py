@@ -405,7 +405,7 @@ def test_cli_seed_story_apply_and_json(tmp_path: Path) -> None:
     out = done.stdout
     assert out.startswith("versionwatch fix: backward #4 at train.py:35: backward will fail: "
                           "model.w3 saved by MulBackward0 was modified by an inplace operation")
-    assert "3 candidate patch(es), 2 verified" in out
+    assert "4 candidate patch(es), 3 verified" in out
     first = out.index("verified: one `optim.step()` after both backwards")
     assert first < out.index("verified: one backward of `loss1 + loss2`") < out.index(
         "rejected:\n  set_to_none at train.py:29")

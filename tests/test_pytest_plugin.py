@@ -231,7 +231,7 @@ def test_fix_option_adds_the_verified_patch_to_the_report(pytester: pytest.Pytes
     result.stdout.fnmatch_lines([
         "*- versionwatch fix -*",
         "verified: one `opt.step()` after both backwards: *",
-        "  checked: the program ran to its end (2 backward(s)), no hazard, no other error; its "
+        "  checked: the program ran to its end (2 backward(s)), no hazard, no other error; each "
         "optimizer step applies the gradients of the same losses as the program meant; the steps "
         "it merges into one leave the parameters as the program's two did (within 0.0001)",
         "diff --git a/test_train.py b/test_train.py",

@@ -409,9 +409,8 @@ def _other_optimizer(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: in
         # program of two optimizers (an actor's loss after the critic's step): run it
         # before the step's zero_grad, which then clears what it left on the weights the
         # step changes; the check says whether that trains as the program did.
-        steppers = {_stepper(st, src) for st in ast.walk(src.tree) if isinstance(st, ast.stmt)}
         reorder = _reorder_backwards(facts, src, body, i_s, i_b, receiver, "", backward_text) \
-            if ends and len(steppers - {None}) >= 2 else None
+            if ends and len(_optimizers(src, src.function(last))) >= 2 else None
         return [reorder] if reorder is not None else []
     out: list[Candidate] = []
     loss = loss_of(last)
@@ -431,6 +430,17 @@ def _other_optimizer(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: in
             out.append(cand)
     reorder = _reorder_backwards(facts, src, body, i_s, i_b, receiver, other, backward_text)
     return out + ([reorder] if reorder is not None else [])
+
+
+def _optimizers(src: Source, scope: ast.AST) -> set[str]:
+    """The optimizers ``scope`` (a function, or the module) makes
+    (``opt = torch.optim.Adam(...)``) or steps."""
+    out = {_stepper(st, src) for st in ast.walk(scope) if isinstance(st, ast.stmt)}
+    for node in ast.walk(scope):
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                and "optim" in (dotted(node.value.func) or "").split(".")[:-1]):
+            out |= {src.segment(t) for t in node.targets}
+    return {o for o in out if o}
 
 
 def _reorder_backwards(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: int, i_b: int,

@@ -77,6 +77,25 @@ class _Mirror:
                 return user + real[len(copy):]
         return real
 
+    def named(self, path: str) -> str:
+        """``path`` as the user knows it: the user's file for one in the run's copy."""
+        return self.original(path) if self.pairs and os.path.isabs(path) else path
+
+    def in_text(self, text: str) -> str:
+        for copy, user in self.pairs:
+            text = text.replace(copy, user)
+        return text
+
+    def in_data(self, data: Any) -> Any:
+        """Every string of plain data (dicts, lists) with the copy's paths the user's."""
+        if isinstance(data, str):
+            return self.in_text(data)
+        if isinstance(data, dict):
+            return {k: self.in_data(v) for k, v in data.items()}
+        if isinstance(data, (list, tuple)):
+            return type(data)(self.in_data(v) for v in data)
+        return data
+
     def copy_of(self, path: str) -> str:
         """The run's copy of the user's ``path`` (``path`` where it is not under one)."""
         real = os.path.realpath(path)
@@ -633,7 +652,9 @@ class Tracker:
         if frame is None:
             return None
         name = frame.f_code.co_filename
-        return [self.back.get(name, name), frame.f_lineno, name in self.back]
+        if name in self.back:
+            return [self.back[name], frame.f_lineno, True]
+        return [MIRROR.named(name), frame.f_lineno, False]
 
     def _walk(self, roots: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...],
               names: dict[int, tuple[str, torch.Tensor]],
@@ -703,14 +724,16 @@ class Tracker:
             r["ours"] = True
             r["hazard"] = {"kind": h.kind, "node": h.node, "slot": h.slot,
                            "tensor": h.tensor or h.describe_tensor()}
-            r["report"] = report.to_dict()
-            r["text"] = str(report)
+            # A module its program loaded past our finder (pytest's importlib mode) is
+            # named by its path in the run's copy: the user's path, in what we record.
+            r["report"] = MIRROR.in_data(report.to_dict())
+            r["text"] = MIRROR.in_text(str(report))
             try:  # the report itself, for FixResult.report (plain data: it pickles)
                 r["report_pickle"] = base64.b64encode(pickle.dumps(report)).decode("ascii")
             except Exception as e:  # the dict above stands without it
                 r["report_pickle_error"] = repr(e)
             try:
-                r["facts"] = from_report(report).to_dict()
+                r["facts"] = MIRROR.in_data(from_report(report).to_dict())
             except Exception as e:  # facts are a help; the record stands without them
                 r["facts_error"] = repr(e)
         else:
@@ -734,14 +757,15 @@ class Tracker:
             site = None
             if user:
                 name = user[-1].filename
-                site = [self.back.get(name, name), user[-1].lineno, name in self.back]
+                site = [self.back.get(name, MIRROR.named(name)), user[-1].lineno,
+                        name in self.back]
             k = self.n + 1
             self.records.append({"n": k, "site": site, "before": True})
             self.fail(k, err)
         site = None
         for fr in reversed(tb):
             if not fr.filename.startswith(_SKIP):
-                site = [self.back.get(fr.filename, fr.filename), fr.lineno,
+                site = [self.back.get(fr.filename, MIRROR.named(fr.filename)), fr.lineno,
                         fr.filename in self.back]
                 break
         # The program's traceback, its own frames only, as Python would print it.
@@ -751,6 +775,7 @@ class Tracker:
             traceback.format_exception_only(type(err), err))
         for scratch, original in self.back.items():
             trace = trace.replace(scratch, original)
+        trace = MIRROR.in_text(trace)
         self.result = {"status": "error", "exit": 1, "error": _one_line(err),
                        "error_site": site, "trace": trace}
         self.finish("error", 1)
