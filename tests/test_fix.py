@@ -132,9 +132,10 @@ CASES = [
         "move_step": "`opt.step()` would also apply `out.abs().mean()`'s gradient to `model`"}),
     fp("data_clip", "move_update", silent=True),
     ep("checkpoint_inplace", **OOP),
-    # Nothing steps after the actor's backward: every patch would give the critic's step
-    # the actor's gradient (the compiled region is one node: all of `net` is reached).
-    ep("compiled_ac", "", rejected={
+    # Nothing steps after the actor's backward: the merges would give the critic's step
+    # the actor's gradient (the compiled region is one node: all of `net` is reached);
+    # the compiled forward again after the step leaves the critic's step as it was.
+    ep("compiled_ac", "refresh", rejected={
         "move_step": "`critic_opt.step()` would also apply `actor_loss`'s gradient to `net`",
         "sum_losses": "`critic_opt.step()` would also apply `actor_loss`'s gradient to `net`"}),
     ep("compiled_act", **OOP),
@@ -155,7 +156,9 @@ CASES = [
     ep("two_losses_prebuilt", "retain_graph", keeps_values=True),
     ep("two_losses_step", "refresh", rejected={
         "move_step": "`opt.step()` would also apply `l1`'s gradient to `net`"}),
-    Case("patterns/gan", "refresh", said="`D(fake)` again after `opt_d.step()`"),
+    # Both keep D's step as it was; the reorder keeps the values too, so it comes first.
+    Case("patterns/gan", "reorder_backwards", rejected={
+        "move_step": "`opt_d.step()` would also apply `g_loss`'s gradient to `D`"}),
     Case("patterns/actor_critic", "reorder_backwards", rejected={
         "move_step": "`critic_opt.step()` would also apply `actor_loss`'s gradient to "
                      "`net.trunk`"}),
@@ -420,7 +423,7 @@ def test_cli_seed_story_apply_and_json(tmp_path: Path) -> None:
     assert doc["exit_status"] == 0 and doc["fix"]["applied"] == {"file": "train.py", "line": 32}
     fixes = doc["hazards"][0]["fixes"]
     assert [(f["family"], f["verified"]) for f in fixes] == [
-        ("move_step", True), ("sum_losses", True), ("set_to_none", False)]
+        ("move_step", True), ("sum_losses", True), ("refresh", True), ("set_to_none", False)]
     assert set(fixes[0]) >= {"file", "line", "old", "new", "diff", "verified",
                              "keeps_values", "why"}
     assert fixes[0]["file"] == "train.py" and fixes[0]["line"] == 32

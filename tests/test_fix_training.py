@@ -313,10 +313,20 @@ def scratch_folders() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("versionwatch-fix-*")}
 
 
-def test_check_runs_never_touch_the_users_folder(tmp_path: Path, server: ForkServer) -> None:
+
+def test_check_runs_never_touch_the_users_folder(tmp_path: Path, server: ForkServer,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Each run starts from a copy of the folder as it was: the checkpoint the program
     resumes from, the log it appends to and the file it deletes stay as they were."""
+    import tempfile
+
     from versionwatch._fix.command import main as fix_main
+
+    # Its own temporary folder: what other processes make in /tmp is theirs.
+    (tmp_path / ".tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / ".tmp"))
+    tmp_path = tmp_path / "project"
+    tmp_path.mkdir()
 
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "old.txt").write_text("keep\n", encoding="utf-8")

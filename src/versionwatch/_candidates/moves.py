@@ -109,7 +109,8 @@ def step_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
                    "their sum would)")
     else:
         summary = (f"`{receiver}.step()` moves after `{backward_text}`: every backward runs on "
-                   "the weights its forward used")
+                   "the weights its forward used, and the step then applies this backward's "
+                   "gradient too")
     # The forward again after the step: first when the step is another network's
     # (a GAN's opt_d between D's loss and G's); after the merges when the same
     # optimizer steps again after the last backward (two losses of one model).
@@ -197,7 +198,8 @@ def _refresh(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: int, i_b: 
                     return []
                 edits.append(Edit(src.start(node), src.end(node), expr))
     if not edits:
-        return _refresh_before(src, body, i_s, i_b, made, receiver, backward_text)
+        return (_refresh_before(src, body, i_s, i_b, made, receiver, backward_text)
+                or _refresh_unpacked(src, body, i_s, i_b, receiver, backward_text))
     cand = candidate(
         "refresh", f"`{expr}` again after `{receiver}.step()`: `{backward_text}` runs through "
         "a new forward on the weights the step changed, not through the one made before it",
@@ -226,7 +228,7 @@ def _sum_losses(src: Source, first: ast.stmt, last: ast.stmt, body: list[ast.stm
                  Edit(src.start(b), src.end(b), total)]
     except ValueError:
         return []
-    summary = (f"one backward of `{a_text} + {b_text}`, then the step once: both losses' "
+    summary = (f"one backward of `{a_text} + {b_text}`, then one step: both losses' "
                "gradients, taken on the weights the forward used, applied together")
     if family == "sum_backwards":
         summary = (f"one backward of `{a_text} + {b_text}`: the first backward no longer "
@@ -613,7 +615,70 @@ def _refresh_unpacked(src: Source, body: list[ast.stmt], i_s: int, i_b: int, rec
             "through a new forward on the weights the step changed, not through the one made "
             "before it", src, edits)
         return [cand] if cand is not None else []
-    return []
+    return _refresh_chain(src, body, i_s, i_b, receiver, backward_text)
+
+
+# Calls that draw new random values: re-running them would train on other data.
+_DRAWS = {"sample", "rsample", "multinomial", "bernoulli", "randint", "rand", "randn",
+          "randn_like", "rand_like", "randint_like", "normal", "normal_", "dropout", "randperm"}
+
+
+def _refresh_chain(src: Source, body: list[ast.stmt], i_s: int, i_b: int, receiver: str,
+                   backward_text: str) -> list[Candidate]:
+    """The failing loss made before the step from a forward (an A2C's ``policy_loss``
+    from ``logits, values = net(obs)``): the forward, and the statements between it and
+    the loss that the loss needs, again after the step. Statements that draw random
+    values (``actions = dist.sample()``) are not run again: the loss keeps its data."""
+    loss = loss_of(body[i_b])
+    if not isinstance(loss, ast.Name):
+        return []
+    after = body[i_s + 1:i_b]
+    if loss.id in set().union(*(_names(st, ast.Store) for st in after)):
+        return []
+    j_loss = next((j for j in range(i_s - 1, -1, -1)
+                   if loss.id in _names(body[j], ast.Store)), None)
+    if j_loss is None or not isinstance(body[j_loss], ast.Assign):
+        return []
+    needed = set(_names(body[j_loss], ast.Load))
+    chain = [j_loss]
+    forward = None
+    for j in range(j_loss - 1, -1, -1):
+        st = body[j]
+        stored = _names(st, ast.Store)
+        if not stored & needed:
+            continue
+        if not isinstance(st, ast.Assign) or isinstance(st, COMPOUND):
+            return []
+        chain.append(j)
+        needed |= _names(st, ast.Load)
+        value = st.value
+        if (isinstance(value, ast.Call) and not isinstance(value.func, ast.Attribute)
+                and isinstance(value.func, ast.Name) and value.func.id[:1].islower()
+                and value.func.id not in dir(builtins)
+                and all(isinstance(a, (ast.Name, ast.Attribute, ast.Constant))
+                        for a in [*value.args, *(k.value for k in value.keywords)])):
+            forward = j  # `net(obs)`: a module the program made, on plain values
+            break
+    if forward is None:
+        return []
+    rerun = [body[j] for j in sorted(chain)
+             if not any(callee(c) in _DRAWS for c in calls(body[j]))]
+    # What the re-run reads must be what it read before the step.
+    made_between = set().union(*(_names(x, ast.Store) for x in body[forward + 1:i_s + 1]))
+    made_here = set().union(*(_names(x, ast.Store) for x in rerun))
+    reads = set().union(*(_names(x, ast.Load) for x in rerun))
+    if (reads - made_here) & made_between - {n for j in chain for n in _names(body[j], ast.Store)}:
+        return []
+    try:
+        edits = [insert_after(src, body[i_s], rerun)]
+    except ValueError:
+        return []
+    text = src.segment(body[forward])
+    cand = candidate(
+        "refresh", f"`{text}` again after `{receiver}.step()`, and `{loss.id}` made from it "
+        f"there: `{backward_text}` runs through a new forward on the weights the step "
+        "changed, not through the one made before it", src, edits)
+    return [cand] if cand is not None else []
 
 
 def _refresh_before(src: Source, body: list[ast.stmt], i_s: int, i_b: int, made: ast.Assign,

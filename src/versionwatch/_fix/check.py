@@ -541,8 +541,8 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
                             return Training(
                                 f"the values differ: `{opt}.step()` #{j + 1} would apply the "
                                 f"same losses' gradients to {_module_of(behind)}, but not the "
-                                "values the program meant (taken on other weights, or another "
-                                "batch)", "")
+                                "values the program meant (the patch computes them on other "
+                                "weights or data)", "")
                 i += 1
                 steps += 1
                 continue
@@ -556,8 +556,9 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
                     return Training(
                         f"it changes the training: one `{opt}.step()` of the summed gradients "
                         f"instead of {_count(span)}, and the parameters after it differ from the "
-                        "program's" + (" (its optimizer keeps a state, momentum or moments, "
-                                       "that each step reads)" if stateful else ""), "")
+                        "program's" + (" (its optimizer keeps a state that each step reads: "
+                                       "a momentum buffer, or Adam's moments)"
+                                       if stateful else ""), "")
                 i += span
                 steps += 1
                 continue

@@ -437,8 +437,12 @@ class Tracker:
         self.records: list[dict[str, Any]] = []
         self.local = threading.local()
         self.changed: dict[int, tuple[weakref.ref[torch.Tensor], int, str]] = {}
-        self.steps: dict[int, int] = {}
-        self.labels: dict[int, str] = {}
+        self.steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = \
+            weakref.WeakKeyDictionary()
+        # By the optimizer itself, held weakly: one made after another died may take its
+        # id, and must not take its label or its count of steps.
+        self.labels: weakref.WeakKeyDictionary[torch.optim.Optimizer, str] = \
+            weakref.WeakKeyDictionary()
         self.classes: dict[str, int] = {}
         self.before: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self.names: dict[int, str] = {}  # the names found at the latest recorded backward
@@ -484,17 +488,18 @@ class Tracker:
         CHECK_OBSERVERS.append(observe)
 
     def _label(self, opt: torch.optim.Optimizer) -> str:
-        label = self.labels.get(id(opt))
+        label = self.labels.get(opt)
         if label is None:
             # The program's own name where its frames hold the optimizer (the same
-            # in the original and every patched run), else its class, numbered.
+            # in the original and every patched run; two made by one line, one after
+            # the other, share it and their steps), else its class, numbered.
             label = _optimizer_name(opt, sys._getframe(1))
-            if label is None or label in self.labels.values():
+            if label is None:
                 cls = type(opt).__name__
                 k = self.classes.get(cls, 0)
                 self.classes[cls] = k + 1
                 label = cls if k == 0 else f"{cls}[{k}]"
-            self.labels[id(opt)] = label
+            self.labels[opt] = label
         return label
 
     def _step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -507,7 +512,7 @@ class Tracker:
                     for p in g["params"] if id(p) in self.names]
 
     def _step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        n = self.steps[id(opt)] = self.steps.get(id(opt), 0) + 1
+        n = self.steps[opt] = self.steps.get(opt, 0) + 1
         label = f"{self._label(opt)}.step() #{n}"
         clock = _seq_clock()
         changed = []

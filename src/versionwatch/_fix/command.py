@@ -241,7 +241,8 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
     # that merge steps, then a forward re-run (values differ behind it).
     rank = {"same": 0, "merged": 1, "refreshed": 2}
     result.candidates = sorted([c for c in candidates if c.verified],
-                               key=lambda c: rank.get(c.extra.get("training", "same"), 0)) + \
+                               key=lambda c: (rank.get(c.extra.get("training", "same"), 0),
+                                              c.family == "refresh")) + \
         [c for c in candidates if not c.verified]
     return result
 

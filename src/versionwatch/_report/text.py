@@ -183,7 +183,8 @@ def fix_line(h: Hazard) -> str:
     if fix is None:
         return h.fix
     status = "verified by versionwatch fix" if fix.verified else fix.why or "untested"
-    if fix.old and fix.new and "\n" not in fix.old + fix.new:
+    if fix.old and fix.new and "\n" not in fix.old + fix.new \
+            and without_comment(fix.old).strip() != without_comment(fix.new).strip():
         # One line changed: the line itself, as the user will read it in the file.
         old, new = without_comment(fix.old).strip(), without_comment(fix.new).strip()
         # The summary's own head (`new code` [at file:line]:) is what this line shows.

@@ -188,7 +188,9 @@ def _fix_test(item: pytest.Item, err: BaseException) -> str:
         result = fix(program)
         lines = []
         if result.status != "checked":
-            lines.append(f"no patch: the test, run again, gave {result.status.replace('_', ' ')}")
+            said = (result.notes[0] if result.status == "too_big" and result.notes
+                    else f"the test, run again, gave {result.status.replace('_', ' ')}")
+            lines.append(f"no patch: {said}")
         elif not result.verified:
             lines.append("no patch was verified:")
             lines += [f"  {c.family} at {shown(c.file)}:{c.line}: {c.why}"
