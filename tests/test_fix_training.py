@@ -55,13 +55,15 @@ def why(result: FixResult, family: str) -> str:
     return hits[0].why
 
 
-def applied_steps(result: FixResult, path: Path, tmp_path: Path) -> dict[str, Any]:
-    """Apply the first verified patch to ``path``, run it plainly, return its steps."""
-    assert result.verified, [(c.family, c.why) for c in result.candidates]
+def applied_steps(result: FixResult, path: Path, tmp_path: Path,
+                  index: int = 0) -> dict[str, Any]:
+    """Apply the first (or ``index``-th) verified patch to ``path`` (as the run found it),
+    run it plainly, return its steps."""
+    assert len(result.verified) > index, [(c.family, c.why) for c in result.candidates]
     here = os.getcwd()
     os.chdir(path.parent)
     try:
-        assert apply_patch(result.verified[0]) is None
+        assert apply_patch(result.verified[index]) is None
     finally:
         os.chdir(here)
     out = tmp_path / "steps.pt"
@@ -371,3 +373,252 @@ def test_a_folder_too_big_to_copy_for_each_run_needs_in_place(
         assert (tmp_path / "log.txt").exists()
     finally:
         os.chdir(here)
+
+
+# -- one test per family: the first verified patch trains as the author meant ----------------
+
+def program_defs(name: str) -> dict[str, Any]:
+    """The classes and constants of ``fix_programs/name``: its text up to ``manual_seed``."""
+    source = (PROGRAMS / name).read_text(encoding="utf-8")
+    scope: dict[str, Any] = {}
+    exec(compile(source.split("torch.manual_seed(0)")[0], name, "exec"), scope)
+    return scope
+
+
+def named(prefix: str, module: nn.Module, grads: Any) -> dict[str, Any]:
+    return {f"{prefix}.{n}": g for (n, _), g in zip(module.named_parameters(), grads)}
+
+
+def step_with(opt: torch.optim.Optimizer, params: list[nn.Parameter], grads: Any) -> None:
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt.step()
+
+
+def candidates_of(result: FixResult) -> list[tuple[str, bool]]:
+    return [(c.family, c.verified) for c in result.candidates]
+
+
+# actor_critic_shared.py: the author meant the actor's step to apply actor_loss's gradient to
+# the trunk and the actor head, and the critic's step to apply critic_loss's gradient, from
+# the forward's own values (the trunk as it was before the actor's step), to the critic head.
+
+def actor_critic_shared_reference() -> list[tuple[str, dict[str, Any]]]:
+    ActorCritic = program_defs("actor_critic_shared.py")["ActorCritic"]
+    torch.manual_seed(0)
+    net = ActorCritic()
+    actor_params = [*net.trunk.parameters(), *net.actor.parameters()]
+    actor_names = [f"net.trunk.{n}" for n, _ in net.trunk.named_parameters()] + [
+        f"net.actor.{n}" for n, _ in net.actor.named_parameters()]
+    critic_params = list(net.critic.parameters())
+    actor_opt = torch.optim.Adam(actor_params, lr=1e-3)
+    critic_opt = torch.optim.Adam(critic_params, lr=1e-3)
+    out: list[tuple[str, dict[str, Any]]] = []
+    for _ in range(3):
+        obs, actions, returns = torch.randn(8, 4), torch.randint(0, 2, (8,)), torch.randn(8, 1)
+        h = net.trunk(obs)
+        logits, value = net.actor(h), net.critic(h)
+        advantage = (returns - value).detach()
+        actor_loss = -(logits.log_softmax(-1).gather(1, actions[:, None]) * advantage).mean()
+        critic_loss = (returns - value).pow(2).mean()
+        # Both gradients before any step: each from the values this forward saw.
+        actor_grads = torch.autograd.grad(actor_loss, actor_params, retain_graph=True)
+        critic_grads = torch.autograd.grad(critic_loss, critic_params)
+        out.append(("actor_opt", dict(zip(actor_names, actor_grads))))
+        step_with(actor_opt, actor_params, actor_grads)
+        out.append(("critic_opt", named("net.critic", net.critic, critic_grads)))
+        step_with(critic_opt, critic_params, critic_grads)
+    return out
+
+
+def test_actor_critic_shared_critic_backward_on_its_own_head(tmp_path: Path,
+                                                             server: ForkServer) -> None:
+    text = (PROGRAMS / "actor_critic_shared.py").read_text(encoding="utf-8")
+    result, path = run_fix(tmp_path, server, "actor_critic_shared.py", text)
+    assert result.status == "checked"
+    assert [c.family for c in result.verified] == ["backward_inputs", "reorder_backwards"], \
+        candidates_of(result)
+    # actor_opt's step after critic_loss.backward(): the trunk would get the critic's gradient.
+    said = "`actor_opt.step()` would also apply `critic_loss`'s gradient to `net.trunk`"
+    assert why(result, "move_step") == said
+    assert why(result, "sum_losses") == said
+    assert "with the same values" in result.verified[0].why, result.verified[0].why
+    reference = actor_critic_shared_reference()
+    found = applied_steps(result, path, tmp_path)
+    assert_steps(found["steps"], reference)
+    # The other verified patch (critic_loss's backward before the actor's step) too.
+    path.write_text(text, encoding="utf-8")
+    found = applied_steps(result, path, tmp_path, index=1)
+    assert_steps(found["steps"], reference)
+
+
+# lstm_state.py: the author meant truncated backpropagation through time: each batch starts
+# from the previous batch's state values, and each step applies the gradient of that batch's
+# loss only (the carried state a constant).
+
+def lstm_reference() -> list[tuple[str, dict[str, Any]]]:
+    defs = program_defs("lstm_state.py")
+    LM, VOCAB = defs["LM"], defs["VOCAB"]
+    torch.manual_seed(0)
+    model = LM()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    tokens = torch.randint(0, VOCAB, (2, 25))
+    state = None
+    out: list[tuple[str, dict[str, Any]]] = []
+    for i in range(3):
+        x, y = tokens[:, i * 8:i * 8 + 8], tokens[:, i * 8 + 1:i * 8 + 9]
+        carried = None if state is None else tuple(s.detach() for s in state)
+        logits, state = model(x, carried)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        grads = torch.autograd.grad(loss, params)
+        out.append(("opt", named("model", model, grads)))
+        step_with(opt, params, grads)
+    return out
+
+
+def test_lstm_state_detached_is_truncated_bptt(tmp_path: Path, server: ForkServer) -> None:
+    text = (PROGRAMS / "lstm_state.py").read_text(encoding="utf-8")
+    result, path = run_fix(tmp_path, server, "lstm_state.py", text)
+    assert result.status == "checked"
+    assert result.verified[0].family == "detach_state", candidates_of(result)
+    # retain_graph keeps the old batch's graph: its weights have stepped since.
+    said = why(result, "retain_graph")
+    assert said.startswith("another hazard at backward #2 (lstm_state.py:31): "
+                           "InplaceModificationError"), said
+    assert "model.lstm." in said and "was modified by an inplace operation" in said, said
+    found = applied_steps(result, path, tmp_path)
+    assert_steps(found["steps"], lstm_reference())
+
+
+# loss_before_loop.py: the author meant each epoch's step to apply the gradient of the loss of
+# a fresh forward of the same (x, y) at the weights as they are at that epoch.
+
+def test_loss_before_loop_forward_moved_into_the_loop(tmp_path: Path,
+                                                      server: ForkServer) -> None:
+    text = (PROGRAMS / "loss_before_loop.py").read_text(encoding="utf-8")
+    result, path = run_fix(tmp_path, server, "loss_before_loop.py", text)
+    assert result.status == "checked"
+    assert result.verified[0].family == "move_forward", candidates_of(result)
+    said = why(result, "retain_graph")
+    assert said.startswith("another hazard at backward #2 (loss_before_loop.py:14): "
+                           "InplaceModificationError"), said
+    assert "model.2.weight saved by AddmmBackward0 was modified by an inplace operation" \
+        in said, said
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    reference: list[tuple[str, dict[str, Any]]] = []
+    for _ in range(3):
+        grads = torch.autograd.grad(nn.functional.mse_loss(model(x), y), params)
+        reference.append(("opt", named("model", model, grads)))
+        step_with(opt, params, grads)
+    found = applied_steps(result, path, tmp_path)
+    assert_steps(found["steps"], reference)
+
+
+# accumulator.py: the author meant each step to apply the gradient of this iteration's loss
+# only (the total is a running sum for the log, not something to back-propagate again).
+
+def test_accumulator_reset_each_iteration(tmp_path: Path, server: ForkServer) -> None:
+    text = (PROGRAMS / "accumulator.py").read_text(encoding="utf-8")
+    result, path = run_fix(tmp_path, server, "accumulator.py", text)
+    assert result.status == "checked"
+    assert [c.family for c in result.verified] == ["reset_accumulator", "item_accumulator"], \
+        candidates_of(result)
+    assert result.verified[0].summary.startswith("`total = 0` again at the end of each iteration")
+    said = why(result, "retain_graph")
+    assert said.startswith("another hazard at backward #2 (accumulator.py:15): "
+                           "InplaceModificationError"), said
+    assert "model.2.weight saved by AddmmBackward0 was modified by an inplace operation" \
+        in said, said
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    reference: list[tuple[str, dict[str, Any]]] = []
+    for _ in range(3):
+        x, y = torch.randn(16, 4), torch.randn(16, 1)
+        grads = torch.autograd.grad(nn.functional.mse_loss(model(x), y), params)
+        reference.append(("opt", named("model", model, grads)))
+        step_with(opt, params, grads)
+    found = applied_steps(result, path, tmp_path)
+    assert_steps(found["steps"], reference)
+    # item_accumulator (back-propagate `loss`, add up `loss.item()`) trains the same.
+    path.write_text(text, encoding="utf-8")
+    found = applied_steps(result, path, tmp_path, index=1)
+    assert_steps(found["steps"], reference)
+
+
+# ema.py: the author meant plain training of `model` (evaluate_with_ema swaps the EMA weights
+# in and restores the model's own, bit for bit, so it changes no step), each step the
+# gradient of that iteration's loss at the weights its forward used; and `ema` an exponential
+# moving average (0.1) of the weights after each step. The evaluation draws its own batch,
+# after the training batch, in each iteration.
+
+def test_ema_evaluation_moved_after_the_step(tmp_path: Path, server: ForkServer) -> None:
+    text = (PROGRAMS / "ema.py").read_text(encoding="utf-8")
+    result, path = run_fix(tmp_path, server, "ema.py", text)
+    assert result.status == "checked"
+    assert result.verified[0].family == "move_update", candidates_of(result)
+    assert "the same losses as the program meant, with the same values" \
+        in result.verified[0].why, result.verified[0].why
+    # The tool proposes no other candidate here (no wrong one to see rejected).
+    assert candidates_of(result) == [("move_update", True)]
+
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    ema = copy.deepcopy(model)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    reference: list[tuple[str, dict[str, Any]]] = []
+    for _ in range(3):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        torch.randn(2, 4)  # the evaluation's batch
+        grads = torch.autograd.grad(loss, params)
+        reference.append(("opt", named("model", model, grads)))
+        step_with(opt, params, grads)
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), params):
+                e.lerp_(p, 0.1)
+    found = applied_steps(result, path, tmp_path)
+    # The same ops in the same order as the program's: every gradient bitwise.
+    assert_steps(found["steps"], reference, exact=set(reference[0][1]))
+    # The weights and their moving average at the end, bitwise.
+    finals = {**named("model", model, params), **named("ema", ema, ema.parameters())}
+    assert set(found["final"]) == set(finals)
+    for name, value in finals.items():
+        assert torch.equal(found["final"][name], value.detach()), name
+
+
+# oop_relu.py: the author meant the gradient of mean(relu(exp(model(x) - 1))) as written,
+# relu's write not clobbering the output exp saved for its backward.
+
+def test_oop_relu_out_of_place_is_bitwise_the_function_as_written(
+        tmp_path: Path, server: ForkServer) -> None:
+    text = (PROGRAMS / "oop_relu.py").read_text(encoding="utf-8")
+    result, path = run_fix(tmp_path, server, "oop_relu.py", text)
+    assert result.status == "checked"
+    assert result.verified[0].family == "out_of_place", candidates_of(result)
+    assert "bitwise the original run's" in result.verified[0].why, result.verified[0].why
+    # The tool proposes no other candidate here (no wrong one to see rejected).
+    assert candidates_of(result) == [("out_of_place", True)]
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.01)
+    reference: list[tuple[str, dict[str, Any]]] = []
+    for _ in range(3):
+        loss = torch.relu(torch.exp(model(torch.randn(8, 4)) - 1)).mean()
+        grads = torch.autograd.grad(loss, params)
+        reference.append(("opt", named("model", model, grads)))
+        step_with(opt, params, grads)
+    found = applied_steps(result, path, tmp_path)
+    assert_steps(found["steps"], reference, exact=set(reference[0][1]))
