@@ -114,7 +114,7 @@ CASES = [
     fp("lstm_state", "detach_state", said="tuple(s.detach() for s in state)"),
     fp("gru_state", "detach_state"),
     fp("loss_before_loop", "move_forward"),
-    fp("accumulator", "reset_accumulator"),
+    fp("accumulator", "item_accumulator"),
     fp("gan_step", "refresh", said="`D(fake)` again after `opt_d.step()`"),
     fp("gan", "gan_detach", said="`D(fake.detach())`", rejected={
         "detach_second": "G.0.bias, G.0.weight, G.2.bias (+1) no longer get gradients from "

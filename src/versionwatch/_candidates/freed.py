@@ -390,7 +390,8 @@ def accumulator_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
             # The check compares losses by name: this backward's is the total's, renamed.
             item.extra["renames"] = {term.id: name}
         out.append(item)
-    return [c for c in out if c is not None]
+    # The total kept for logging first: the reset changes what the program prints.
+    return [c for c in reversed(out) if c is not None]
 
 
 def _only_logged(src: Source, at: ast.stmt, name: str, skip: set[int]) -> bool:
