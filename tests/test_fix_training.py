@@ -93,31 +93,7 @@ def assert_steps(steps: list[dict[str, Any]], reference: list[tuple[str, dict[st
 
 # -- a GAN whose two losses share one D(fake) -----------------------------------------------
 
-GAN = '''\
-import torch
-from torch import nn
-
-torch.manual_seed(0)
-G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
-D = nn.Sequential(nn.Linear(2, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
-opt_g = torch.optim.Adam(G.parameters(), lr=2e-4)
-opt_d = torch.optim.Adam(D.parameters(), lr=2e-4)
-bce = nn.BCEWithLogitsLoss()
-ones, zeros = torch.ones(32, 1), torch.zeros(32, 1)
-for _ in range(3):
-    real, z = torch.randn(32, 2), torch.randn(32, 4)
-    fake = G(z)
-    d_real = D(real)
-    d_fake = D(fake)
-    d_loss = bce(d_real, ones) + bce(d_fake, zeros)
-    g_loss = bce(d_fake, ones)
-    opt_d.zero_grad()
-    d_loss.backward(retain_graph=True)
-    opt_d.step()
-    opt_g.zero_grad()
-    g_loss.backward()
-    opt_g.step()
-'''
+GAN = (PROGRAMS / "gan_one_dfake.py").read_text(encoding="utf-8")
 
 
 def gan_reference() -> list[tuple[str, dict[str, Any]]]:
@@ -151,7 +127,7 @@ def gan_reference() -> list[tuple[str, dict[str, Any]]]:
 
 def test_gan_one_d_fake_rejects_the_step_moved_and_the_sum(tmp_path: Path,
                                                             server: ForkServer) -> None:
-    result, path = run_fix(tmp_path, server, "gan.py", GAN)
+    result, path = run_fix(tmp_path, server, "gan_one_dfake.py", GAN)
     assert result.status == "checked"
     # D's step after g_loss.backward(): it would push D to call fakes real.
     assert why(result, "move_step") == "`opt_d.step()` would also apply `g_loss`'s gradient to `D`"

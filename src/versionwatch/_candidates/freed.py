@@ -27,6 +27,7 @@ from versionwatch._candidates.shared import (
     calls,
     candidate,
     enclosing_loop,
+    failing_in_loop,
     fed_to_forward,
     function_stmts,
     loss_of,
@@ -340,15 +341,10 @@ def accumulator_families(facts: FixFacts, sources: Sources) -> list[Candidate]:
     ``total.backward()`` in it): ``reset_accumulator`` starts it again after the step;
     ``item_accumulator`` back-propagates the loss and adds up ``loss.item()``, when the
     total is only back-propagated and logged."""
-    fb = facts.failing_backward
-    src = sources.at(fb)
-    if src is None or fb is None:
+    found = failing_in_loop(facts, sources)
+    if found is None:
         return []
-    fail = stmt_with(src, fb.line, lambda s: backward_call(s) is not None)
-    total = loss_of(fail) if fail is not None else None
-    loop = enclosing_loop(src, fail) if fail is not None else None
-    if fail is None or loop is None or not isinstance(total, ast.Name):
-        return []
+    src, fail, total, loop = found
     name = total.id
     acc: ast.stmt | None = None
     term: ast.expr | None = None

@@ -25,7 +25,7 @@ from versionwatch._candidates.shared import (
     calls,
     candidate,
     dotted,
-    enclosing_loop,
+    failing_in_loop,
     function_stmts,
     insert_after,
     insert_before,
@@ -509,15 +509,10 @@ def _reorder_backwards(facts: FixFacts, src: Source, body: list[ast.stmt], i_s: 
 def move_forward(facts: FixFacts, sources: Sources) -> list[Candidate]:
     """A loss (and the forward it reads) made once before the loop whose every iteration
     back-propagates it: both moved to the top of the loop's body."""
-    fb = facts.failing_backward
-    src = sources.at(fb)
-    if src is None or fb is None:
+    found = failing_in_loop(facts, sources)
+    if found is None:
         return []
-    fail = stmt_with(src, fb.line, lambda s: backward_call(s) is not None)
-    loss = loss_of(fail) if fail is not None else None
-    loop = enclosing_loop(src, fail) if fail is not None else None
-    if not isinstance(loss, ast.Name) or loop is None or fail is None:
-        return []
+    src, fail, loss, loop = found
     name = loss.id
     if any(name in _names(st, ast.Store)
            for st in function_stmts(src, fail, loop.lineno - 1, loop.end_lineno or loop.lineno)):

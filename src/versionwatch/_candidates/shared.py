@@ -280,15 +280,7 @@ def fed_to_forward(uses: list[tuple[ast.Name, ast.Call]]) -> bool:
 def comment_start(src: Source, stmt: ast.stmt) -> int:
     """The first line of the comment lines directly above ``stmt`` at its indent (its own
     line when there are none): they say what the statement does, so they move with it."""
-    first = src.whole_lines(stmt)[0]
-    indent = src.indent(first)
-    line = first
-    while line > 1:
-        above = src.line_text(line - 1)
-        if not above.strip().startswith("#") or src.indent(line - 1) != indent:
-            break
-        line -= 1
-    return line
+    return src.comments_above(src.whole_lines(stmt)[0])
 
 
 def remove(src: Source, stmt: ast.stmt) -> Edit:
@@ -446,3 +438,19 @@ def keyword_edit(src: Source, call: ast.Call, name: str, value: str) -> Edit | N
         return Edit(last_tok.end, last_tok.end, f" {name}={value},")
     sep = "" if last_tok is None or last_tok.string == "(" else ", "
     return Edit(close, close, f"{sep}{name}={value}")
+
+
+def failing_in_loop(facts: FixFacts, sources: Sources,
+                    ) -> tuple[Source, ast.stmt, ast.Name, ast.For | ast.While] | None:
+    """The failing backward of a loop whose loss is a name (``total.backward()``): its
+    source, its statement, the loss and the loop; ``None`` for any other shape."""
+    fb = facts.failing_backward
+    src = sources.at(fb)
+    if src is None or fb is None:
+        return None
+    fail = stmt_with(src, fb.line, lambda s: backward_call(s) is not None)
+    loss = loss_of(fail) if fail is not None else None
+    loop = enclosing_loop(src, fail) if fail is not None else None
+    if fail is None or loop is None or not isinstance(loss, ast.Name):
+        return None
+    return src, fail, loss, loop
