@@ -115,6 +115,7 @@ CASES = [
     fp("gru_state", "detach_state"),
     fp("loss_before_loop", "move_forward"),
     fp("accumulator", "item_accumulator"),
+    fp("chunks", "step_after_chunks", said="`opt.step()` once after the loop"),
     fp("gan_step", "refresh", said="`D(fake)` again after `opt_d.step()`"),
     fp("gan", "gan_detach", said="`D(fake.detach())`", rejected={
         "detach_second": "G.0.bias, G.0.weight, G.2.bias (+1) no longer get gradients from "

@@ -599,3 +599,54 @@ def test_oop_relu_out_of_place_is_bitwise_the_function_as_written(
         step_with(opt, params, grads)
     found = applied_steps(result, path, tmp_path)
     assert_steps(found["steps"], reference, exact=set(reference[0][1]))
+
+
+# -- one forward, a backward and a step per chunk of it -----------------------------------------
+
+# chunks.py: the author meant, for each chunk, a step of that chunk's gradient taken on the
+# weights the forward used (it ran once, before the loop); with plain SGD, one step of their
+# sum after the loop leaves the weights where the three steps would.
+
+def test_chunks_one_step_after_the_loop(tmp_path: Path, server: ForkServer) -> None:
+    text = (PROGRAMS / "chunks.py").read_text(encoding="utf-8")
+    result, path = run_fix(tmp_path, server, "chunks.py", text)
+    chosen = result.verified[0]
+    assert chosen.family == "step_after_chunks", candidates_of(result)
+    assert "leave the parameters as the program's three did" in chosen.why, chosen.why
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 1))
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.05)
+    reference: list[tuple[str, dict[str, Any]]] = []
+    for _ in range(2):
+        x, y = torch.randn(12, 4), torch.randn(12, 1)
+        out = model(x)
+        total = [torch.zeros_like(p) for p in params]
+        for oc, yc in zip(out.split(4), y.split(4)):
+            grads = torch.autograd.grad((oc - yc).pow(2).mean(), params, retain_graph=True)
+            total = [t + g for t, g in zip(total, grads)]
+        reference.append(("opt", named("model", model, total)))
+        step_with(opt, params, total)
+    found = applied_steps(result, path, tmp_path)
+    assert_steps(found["steps"], reference)
+
+
+def test_chunks_with_a_forward_per_chunk_after_the_step_get_no_merged_step(
+        tmp_path: Path, server: ForkServer) -> None:
+    """The head runs on each chunk after the step before it: one step after the loop
+    would take every chunk's head gradient on the first weights: another training."""
+    text = (PROGRAMS / "chunks.py").read_text(encoding="utf-8").replace(
+        "model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), "
+        "nn.Linear(16, 1))",
+        "model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())\n"
+        "head = nn.Linear(16, 1)").replace(
+        "opt = torch.optim.SGD(model.parameters(), lr=0.05)",
+        "opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.05)").replace(
+        "loss = (oc - yc).pow(2).mean()", "loss = (head(oc) - yc).pow(2).mean()")
+    assert "head(oc)" in text
+    result, _ = run_fix(tmp_path, server, "chunks.py", text)
+    assert why(result, "step_after_chunks").startswith(
+        "it changes the training: one `opt.step()` of the summed gradients instead of three, "
+        "and the parameters after it differ from the program's")
+    assert not any(c.family == "step_after_chunks" for c in result.verified)

@@ -19,6 +19,8 @@ facts and gives nothing without them:
   step): ``M(x)`` again after the step where the second loss reads ``y``.
 - ``set_to_none`` (the same): ``zero_grad(set_to_none=True)``, which only hides
   the failure: rejected by rule.
+- ``step_after_chunks`` (``step`` after the failing backward, in a loop over the chunks
+  of a forward made before it): the step once after the loop, its ``zero_grad`` before.
 - ``move_update`` (``update``): a ``no_grad`` update (EMA, clipping) after the step.
 - ``gan_detach`` (``carried`` fed to a forward before the first backward):
   ``D(fake.detach())`` in that backward's loss.
@@ -67,6 +69,7 @@ from versionwatch._candidates.moves import (
     move_forward,
     move_update,
     one_forward,
+    step_after_chunks,
     step_families,
     sum_backwards,
 )
@@ -440,6 +443,7 @@ def propose(facts: FixFacts, sources: Sources | None = None,
             out += _inplace_false(facts, sources, main)
         out += move_update(facts, sources)
         out += step_families(facts, sources)
+        out += step_after_chunks(facts, sources)
         out += sum_backwards(facts, sources)
         out += one_forward(facts, sources)
     seen: set[tuple[tuple[str, str], ...]] = set()

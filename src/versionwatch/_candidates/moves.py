@@ -25,6 +25,7 @@ from versionwatch._candidates.shared import (
     calls,
     candidate,
     dotted,
+    enclosing_loop,
     failing_in_loop,
     function_stmts,
     insert_after,
@@ -737,4 +738,46 @@ def _refresh_before(src: Source, body: list[ast.stmt], i_s: int, i_b: int, made:
                     f"`{src.segment(first_call)}` does not free the graph the new one needs")
         cut = (Line(src.path, body[i_1].lineno, src.line_text(body[i_1].lineno).strip()),)
     cand = candidate("refresh", summary, src, edits, cut_at=cut)
+    return [cand] if cand is not None else []
+
+
+def step_after_chunks(facts: FixFacts, sources: Sources) -> list[Candidate]:
+    """One forward, then a loop of backwards over its chunks with a step in each
+    (``for hc in h.split(4): ...; loss.backward(retain_graph=True); opt.step()``): the
+    step (and its ``zero_grad``) once, after the loop (before it): every chunk's backward
+    runs on the weights the forward used, and one step applies all their gradients."""
+    src = sources.at(facts.step)
+    if (src is None or facts.step is None or facts.failing_backward is None
+            or facts.saved_at is None or facts.failing_backward.file != facts.step.file):
+        return []
+    s_stmt = stmt_with(src, facts.step.line, lambda s: _stepper(s, src) is not None)
+    b_stmt = stmt_with(src, facts.failing_backward.line, lambda s: backward_call(s) is not None)
+    if s_stmt is None or b_stmt is None:
+        return []
+    place = src.block(b_stmt)
+    loop = enclosing_loop(src, b_stmt)
+    if place is None or loop is None or not isinstance(loop, ast.For):
+        return []
+    body = place[0]
+    if body is not loop.body or s_stmt not in body or body.index(s_stmt) < body.index(b_stmt):
+        return []
+    # The saved forward ran before this loop, once: what it iterates over are its chunks.
+    if facts.saved_at.file == src.path and loop.lineno <= facts.saved_at.line <= (
+            loop.end_lineno or loop.lineno):
+        return []
+    receiver = _stepper(s_stmt, src) or ""
+    zeros = [st for st in body if method_stmt(st, "zero_grad", receiver, src)]
+    indent = src.indent(loop.lineno)
+    try:
+        edits = [remove(src, st) for st in (*zeros, s_stmt)]
+        if zeros:
+            edits.append(insert_before(src, loop, moved_text(src, zeros[0], indent)))
+        edits.append(insert_after(src, loop, [s_stmt]))
+    except ValueError:
+        return []
+    said = f" (and `{src.segment(zeros[0])}` once before it)" if zeros else ""
+    cand = candidate(
+        "step_after_chunks", f"`{receiver}.step()` once after the loop{said}: every "
+        "chunk's backward runs on the weights the forward used, and one step applies the "
+        "gradients of all chunks", src, edits)
     return [cand] if cand is not None else []

@@ -395,7 +395,7 @@ class Training:
     problem: str | None
     said: str
     steps: int = 0
-    merged: bool = False
+    merged: int = 0  # the most steps of the reference one step of the candidate merges
     diverged: list[str] = field(default_factory=list)
 
 
@@ -505,7 +505,7 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
                            for k, v in step.items()} for step in steps]
                     for opt, steps in my_steps.items()}
     steps = 0
-    merged = False
+    merged = 0
     diverged: list[str] = []
     exact = values
     # The order the candidate ran its steps in, for the first difference it made.
@@ -549,7 +549,7 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
             # One step of what several of the reference's applied?
             span = _merge_span(refs, i, step) if values else 0
             if span:
-                merged = True
+                merged = max(merged, span)
                 if exact and not _merge_values(refs[i:i + span], step):
                     stateful = any(st.get("stateful") for st in reference.steps
                                    if st.get("optimizer") == opt)
@@ -567,7 +567,7 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
         said = "each optimizer step applies the gradients of the same losses as the program meant"
         if merged:
             said += ("; the steps it merges into one leave the parameters as the program's "
-                     f"two did (within {TOLERANCE:g})")
+                     f"{_count(merged)} did (within {TOLERANCE:g})")
         elif not diverged and exact:
             said += ", with the same values"
         if diverged:
