@@ -244,7 +244,9 @@ def test_recurrent_state_names_the_freeing_backward_and_h(tmp_path, monkeypatch,
     assert (f"freed by     backward #1 at prog.py:{back} (this same line, in an earlier "
             "iteration), which ran without retain_graph=True") in err
     assert "carried by   `h`" in err
-    assert "`h = h.detach()`" in err and "pass retain_graph=True" not in err
+    # The fix line: the patch `versionwatch fix` checks first, on the user's line.
+    assert f"`h = rnn(x, h.detach())` instead of `h = rnn(x, h)` at prog.py:{fwd}" in err
+    assert "retain_graph=True" not in err.split("fix          ")[1].splitlines()[0]
     assert "freed: AddmmBackward0.mat1 (x2)" in err and "a tensor" not in err
     assert h["freed_by"] == {"description": "backward #1", "file": "prog.py", "line": back}
     assert h["carried_by"] == "h" and h["backward"] == 2
@@ -261,7 +263,8 @@ def test_second_backward_on_one_graph_keeps_retain_graph(tmp_path, monkeypatch, 
     assert status == 1
     first = line(TWICE, "loss.backward()")
     assert f"freed by     backward #1 at prog.py:{first}, which ran without " in err
-    assert "pass retain_graph=True" in err and "carried by" not in err
+    assert "`loss.backward(retain_graph=True)` instead of `loss.backward()`" in err
+    assert "carried by" not in err
     assert h["carried_by"] is None
     assert h["freed_by"] == {"description": "backward #1", "file": "prog.py", "line": first}
 
