@@ -462,7 +462,8 @@ def test_lstm_state_detached_is_truncated_bptt(tmp_path: Path, server: ForkServe
     said = why(result, "retain_graph")
     assert said.startswith("another hazard at backward #2 (lstm_state.py:31): "
                            "InplaceModificationError"), said
-    assert "model.lstm." in said and "was modified by an inplace operation" in said, said
+    # torch 2.4 names the LSTM's flattened weight copy "a tensor"; later releases the weight.
+    assert "saved by MkldnnRnnLayerBackward0 was modified by an inplace operation" in said, said
     found = applied_steps(result, path, tmp_path)
     assert_steps(found["steps"], lstm_reference())
 
