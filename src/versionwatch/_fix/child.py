@@ -354,9 +354,13 @@ def _position(frame: FrameType) -> tuple[int, int] | None:
 class _Sketch:
     """A gradient's or an update's fingerprint, never the tensor itself: a bitwise
     hash, and linear sketches (the sum and three fixed random projections, in
-    float64) that add up as the tensors do, to compare within a tolerance."""
+    float64) that add up as the tensors do, to compare within a tolerance.
 
-    _dirs: ClassVar[dict[int, torch.Tensor]] = {}
+    Taken a block at a time, with the same random block for every block (scaled by a
+    number of its own): the memory stays that of one block, for any model."""
+
+    _BLOCK = 1 << 20
+    _fixed: ClassVar[dict[str, torch.Tensor]] = {}
 
     @classmethod
     def of(cls, t: torch.Tensor | None) -> dict[str, Any] | None:
@@ -366,31 +370,41 @@ class _Sketch:
             flat = t.detach().to("cpu").reshape(-1)
             if flat.is_complex():
                 flat = torch.view_as_real(flat).reshape(-1)
-            bits = flat.contiguous().view(torch.uint8).to(torch.int64)
-            n = int(bits.numel())
-            w = cls._weights(n)
-            digest = [int((bits * w[0]).sum()), int((bits * w[1]).sum())]
-            x = flat.to(torch.float64)
-            dirs = cls._directions(int(x.numel()))
+            raw = flat.contiguous().view(torch.uint8)
+            weights, dirs = cls._random()
+            digest = [0, 0]
+            for start in range(0, int(raw.numel()), cls._BLOCK):
+                bits = raw[start:start + cls._BLOCK].to(torch.int64)
+                w = weights[:, :bits.numel()]
+                digest[0] = (digest[0] * 1_000_003 + int((bits * w[0]).sum())) % (1 << 61)
+                digest[1] = (digest[1] * 998_244_353 + int((bits * w[1]).sum())) % (1 << 61)
+            sketch = [0.0, 0.0, 0.0, 0.0]
+            for k, start in enumerate(range(0, int(flat.numel()), cls._BLOCK)):
+                x = flat[start:start + cls._BLOCK].to(torch.float64)
+                d = dirs[:, :x.numel()]
+                scale = 1.0 + (k * 0.6180339887) % 1.0  # each block its own weight
+                sketch[0] += float(x.sum())
+                for i in range(3):
+                    sketch[i + 1] += scale * float((x * d[i]).sum())
             return {"hash": digest, "dtype": str(t.dtype), "shape": list(t.shape),
-                    "sketch": [float(x.sum())] + [float((x * d).sum()) for d in dirs],
-                    "norm": float(x.norm())}
+                    "sketch": sketch, "norm": float(flat.to(torch.float64).norm())
+                    if flat.numel() <= cls._BLOCK else _blocked_norm(flat, cls._BLOCK)}
 
     @classmethod
-    def _weights(cls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = -n - 1
-        if key not in cls._dirs:
-            g = torch.Generator().manual_seed(n)
-            cls._dirs[key] = torch.randint(1, 2**31 - 1, (2, n), generator=g, dtype=torch.int64)
-        w = cls._dirs[key]
-        return w[0], w[1]
+    def _random(cls) -> tuple[torch.Tensor, torch.Tensor]:
+        if not cls._fixed:
+            g = torch.Generator().manual_seed(20261207)
+            cls._fixed["w"] = torch.randint(1, 2**31 - 1, (2, cls._BLOCK), generator=g,
+                                            dtype=torch.int64)
+            cls._fixed["d"] = torch.randn(3, cls._BLOCK, generator=g, dtype=torch.float64)
+        return cls._fixed["w"], cls._fixed["d"]
 
-    @classmethod
-    def _directions(cls, n: int) -> list[torch.Tensor]:
-        if n not in cls._dirs:
-            g = torch.Generator().manual_seed(n + 7)
-            cls._dirs[n] = torch.randn(3, n, generator=g, dtype=torch.float64)
-        return list(cls._dirs[n])
+
+def _blocked_norm(flat: torch.Tensor, block: int) -> float:
+    total = 0.0
+    for start in range(0, int(flat.numel()), block):
+        total += float(flat[start:start + block].to(torch.float64).pow(2).sum())
+    return float(total ** 0.5)
 
 
 def _holds(value: Any, opt: torch.optim.Optimizer) -> bool:
