@@ -394,7 +394,6 @@ class Training:
 
     problem: str | None
     said: str
-    steps: int = 0
     merged: int = 0  # the most steps of the reference one step of the candidate merges
     diverged: list[str] = field(default_factory=list)
 
@@ -504,7 +503,6 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
         my_steps = {opt: [{k: {**v, "losses": sorted(renames.get(n, n) for n in v["losses"])}
                            for k, v in step.items()} for step in steps]
                     for opt, steps in my_steps.items()}
-    steps = 0
     merged = 0
     diverged: list[str] = []
     exact = values
@@ -544,7 +542,6 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
                                 "values the program meant (the patch computes them on other "
                                 "weights or data)", "")
                 i += 1
-                steps += 1
                 continue
             # One step of what several of the reference's applied?
             span = _merge_span(refs, i, step) if values else 0
@@ -560,7 +557,6 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
                                        "a momentum buffer, or Adam's moments)"
                                        if stateful else ""), "")
                 i += span
-                steps += 1
                 continue
             return Training(_difference(opt, ref, step), "")
     if values:
@@ -577,7 +573,7 @@ def compare_training(candidate: Candidate, run: Run, reference: Run, *, values: 
         said = ("each optimizer step applies the gradients of the same losses as the "
                 "program's steps before the failure (a freed graph: no run of the program "
                 "as meant to compare values with)")
-    return Training(None, said, steps, merged, diverged)
+    return Training(None, said, merged, diverged)
 
 
 def _step_values(ref: dict[str, Any], step: dict[str, Any]) -> bool:
