@@ -120,18 +120,29 @@ def test_seed_story_written_otherwise_is_fixed_and_applied_byte_for_byte(
     work.mkdir()
     fresh.mkdir()
     (work / "train.py").write_bytes(data)
-    os.chmod(work / "train.py", 0o750)
+    # Two of them also as the output must say it: read-only (--force), and hard linked.
+    mode, args, said = 0o750, ["--apply"], ""
+    if name == "crlf":
+        mode, args = 0o444, ["--apply", "--force"]
+        said = "train.py is read-only: written anyway (--force); it stays read-only"
+    if name == "latin1":
+        os.link(work / "train.py", work / "linked.py")
+        said = "train.py has 2 hard links: written in place, so that each of them has the patch"
+    os.chmod(work / "train.py", mode)
     monkeypatch.chdir(work)
-    code = fix_main(["--apply", "train.py"], server=server)
+    code = fix_main([*args, "train.py"], server=server)
     out, err = capsys.readouterr()
     assert code == 0, out + err
     assert "3 verified" in out
     assert out.index("verified: one `optim.step()` after both backwards") < out.index(
         "diff --git")
     assert "applied the first verified patch to train.py" in out
+    assert not said or f"\nversionwatch fix: {said}\n" in out + "\n"
     assert (work / "train.py").read_bytes() == want
-    assert stat.S_IMODE(os.stat(work / "train.py").st_mode) == 0o750
-    assert sorted(p.name for p in work.iterdir()) == ["train.py"]
+    assert stat.S_IMODE(os.stat(work / "train.py").st_mode) == mode
+    if name == "latin1":
+        assert (work / "linked.py").read_bytes() == want
+    assert sorted(p.name for p in work.iterdir() if p.name != "linked.py") == ["train.py"]
     # The diff printed applies to the file as it was, CRLF included.
     (fresh / "train.py").write_bytes(data)
     (fresh / "fix.patch").write_bytes(first_diff(out).encode())
