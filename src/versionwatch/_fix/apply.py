@@ -39,6 +39,7 @@ class _Write:
     path: str    # as the candidate names it
     target: str  # the file written: ``path`` with its symbolic links resolved
     data: bytes  # the new bytes
+    before: bytes  # the old ones, as read for the check
     st: os.stat_result
     tmp: str = ""  # the new file, next to the target, before it is moved in place
 
@@ -81,7 +82,10 @@ def apply_patch(candidate: Candidate, *, force: bool = False,
             raise
         for w in writes:
             if not w.in_place:
-                os.replace(w.tmp, w.target)
+                try:
+                    os.replace(w.tmp, w.target)
+                except OSError as e:
+                    raise _Failed(f"cannot write {shown(w.path)}: {e.strerror or e}") from None
     except _Failed as e:
         return str(e)
     finally:
@@ -126,7 +130,7 @@ def _plan(path: str, old: str, new: str, force: bool) -> _Write | str:
         out = new.encode(encoding)
     except UnicodeEncodeError:
         return f"the patch of {shown(path)} has characters its encoding ({encoding}) cannot hold"
-    return _Write(path, target, out, st)
+    return _Write(path, target, out, data, st)
 
 
 def _new_file(w: _Write) -> str:
@@ -160,8 +164,7 @@ def _new_file(w: _Write) -> str:
 def _write_in_place(w: _Write) -> bytes:
     """The new bytes over the old ones, in the same file (every hard link sees them),
     with a copy of the old ones on disk until the write is done; returns the old ones."""
-    with open(w.target, "rb") as f:
-        before = f.read()
+    before = w.before
     backup = _backup(w.target, before)
     try:
         with open(w.target, "r+b") as f:
