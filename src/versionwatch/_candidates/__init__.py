@@ -24,11 +24,13 @@ if TYPE_CHECKING:
     from versionwatch._candidates.shared import Candidate as Candidate
     from versionwatch._candidates.shared import Sources as Sources
     from versionwatch._candidates.shared import backward_after as backward_after
+    from versionwatch._candidates.source import decode_source as decode_source
     from versionwatch._candidates.source import line_map as line_map
 
 _WHERE = {
     "backward_after": "versionwatch._candidates.shared",
     "Candidate": "versionwatch._candidates.shared",
+    "decode_source": "versionwatch._candidates.source",
     "FixFacts": "versionwatch._candidates.facts",
     "from_report": "versionwatch._candidates.facts",
     "Line": "versionwatch._candidates.facts",

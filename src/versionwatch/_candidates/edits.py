@@ -453,5 +453,6 @@ def propose(facts: FixFacts, sources: Sources | None = None,
         if key not in seen and not any(library_file(p) for p in c.files
                                        if not p.startswith("<")):
             seen.add(key)
+            c.files = sources.as_written(c.files)
             unique.append(c)
     return unique

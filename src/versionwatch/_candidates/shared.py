@@ -21,7 +21,9 @@ from versionwatch._candidates.source import (
     Source,
     apply,
     changed_lines,
+    keep_endings,
     library_file,
+    read_source,
     unified_diff,
 )
 
@@ -138,16 +140,29 @@ class Sources:
         if path not in self._parsed:
             text = self._texts.get(path)
             if text is None and not path.startswith("<"):
-                try:
-                    with open(path, encoding="utf-8") as f:
-                        text = f.read()
-                except (OSError, UnicodeDecodeError):
+                try:  # as the interpreter reads it: its coding cookie, a BOM
+                    text = read_source(path)
+                except (OSError, SyntaxError, UnicodeDecodeError):
                     text = None
             try:
                 self._parsed[path] = None if text is None else Source(path, text)
             except (SyntaxError, ValueError):
                 self._parsed[path] = None
         return self._parsed[path]
+
+    def as_written(self, files: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+        """A candidate's files, each (old, new) with the line endings its file has.
+
+        The families edit the text as Python reads it (``\\n`` endings); the diff
+        shown, the check's copy and ``--apply`` need the file's own (``\\r\\n``).
+        """
+        out = {}
+        for path, (old, new) in files.items():
+            src = self.get(path)
+            if src is not None and src.text == old and src.written != old:
+                old, new = src.written, keep_endings(src.written, new)
+            out[path] = (old, new)
+        return out
 
     def at(self, line: Line | None) -> Source | None:
         """The source of ``line``'s file, if the line still reads as the watcher saw it."""

@@ -1,10 +1,16 @@
-"""The user's source as ``versionwatch fix`` edits it: statements, blocks and exact spans.
+r"""The user's source as ``versionwatch fix`` edits it: statements, blocks and exact spans.
 
 Edits are replacements of exact character spans of the original text, found
 with the standard library's ``ast`` (structure) and ``tokenize`` (operators,
 parentheses, commas), so everything outside them (formatting, comments, blank
 lines) stays as the user wrote it. ``ast`` counts columns in UTF-8 bytes; this
 module turns them into characters.
+
+A file is read as Python reads it (:func:`read_source`): its bytes decoded in the
+encoding its coding cookie or UTF-8 BOM names, and split into lines only where
+Python ends one (:func:`split_lines`). The edits are made on Python's view of the
+text (every line ended by ``\n``); :func:`keep_endings` gives the patched text the
+file's own line endings back (``\r\n``, ``\r``, mixed).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import ast
 import difflib
 import io
 import os
+import re
 import tokenize
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -20,6 +27,93 @@ from dataclasses import dataclass
 from versionwatch._package import PACKAGE_DIR
 
 Pos = tuple[int, int]  # (1-based line, 0-based character column)
+
+# A line as Python counts them: ended by \r\n, \r or \n, or the last one, unended.
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+def split_lines(text: str, keepends: bool = False) -> list[str]:
+    r"""``text``'s lines as Python numbers them: a line ends at ``\n``, ``\r\n`` or ``\r``.
+
+    Not ``str.splitlines``, which also ends one at a form feed, ``\x1c``-``\x1e``,
+    ``\x85``, U+2028 and U+2029: characters a comment or a string may hold, after
+    which every line number would be off from the interpreter's.
+
+    >>> split_lines("a\fb\r\nc\rd\n\u2028e")
+    ['a\x0cb', 'c', 'd', '\u2028e']
+    """
+    lines = _LINE.findall(text)
+    return lines if keepends else [_body(ln) for ln in lines]
+
+
+def _body(line: str) -> str:
+    """``line`` without its ending."""
+    return line[:-2] if line.endswith("\r\n") else line.rstrip("\r\n")
+
+
+def decode_source(data: bytes) -> tuple[str, str]:
+    """A source file's bytes as text, and the encoding that decoded them.
+
+    The encoding is the one Python uses: the coding cookie of the first two
+    lines, ``utf-8-sig`` with a UTF-8 BOM (which the text leaves out), else
+    UTF-8. The line endings stay as they are in the file.
+
+    Raises:
+        SyntaxError: a coding cookie Python does not know.
+        UnicodeDecodeError: bytes that are not in that encoding.
+    """
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    return data.decode(encoding), encoding
+
+
+def read_source(path: str) -> str:
+    """The text of the file at ``path`` as the interpreter decodes it, endings as written.
+
+    Raises:
+        OSError, SyntaxError, UnicodeDecodeError: as :func:`decode_source`.
+    """
+    with open(path, "rb") as f:
+        return decode_source(f.read())[0]
+
+
+def python_text(text: str) -> str:
+    r"""``text`` with every line ended by ``\n``, as the interpreter reads a file."""
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+
+
+def keep_endings(written: str, new: str) -> str:
+    """``new``, an edit of ``python_text(written)``, with ``written``'s line endings.
+
+    A line the edit kept keeps its own ending; a line it changed or added gets the
+    ending of the line it replaces, or where it adds one, of the line before it
+    (the line after, at the top): a CRLF file stays CRLF, a mixed file keeps each
+    line's own, and the diff of the two applies to the file as it is.
+    """
+    if "\r" not in written:
+        return new
+    old = split_lines(written, keepends=True)
+    lines = split_lines(new, keepends=True)
+    endings = [ln[len(_body(ln)):] for ln in old]
+    # For a line whose neighbour has none (the last line, unended): the file's usual one.
+    usual = max(("\r\n", "\r", "\n"), key=endings.count)
+
+    def ending(i: int) -> str:
+        return endings[min(max(i, 0), len(old) - 1)] or usual
+
+    out: list[str] = []
+    matcher = difflib.SequenceMatcher(a=[_body(ln) for ln in old],
+                                      b=[_body(ln) for ln in lines], autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        for k in range(j2 - j1):
+            line = lines[j1 + k]
+            body = _body(line)
+            if len(body) == len(line):  # the last line, unended: so it stays
+                out.append(line)
+            elif tag == "equal":
+                out.append(body + ending(i1 + k))
+            else:
+                out.append(body + ending(min(i1 + k, i2 - 1) if i2 > i1 else i1 - 1))
+    return "".join(out)
 
 
 @dataclass(frozen=True)
@@ -32,7 +126,10 @@ class Edit:
 
 
 class Source:
-    """One file's text, parsed: positions in characters, statements by line, blocks.
+    r"""One file's text, parsed: positions in characters, statements by line, blocks.
+
+    ``text`` is the file's text as Python reads it, every line ended by ``\n``;
+    ``written`` is the text as given, with the file's own line endings.
 
     Raises:
         SyntaxError: the text is not Python this interpreter parses.
@@ -40,10 +137,11 @@ class Source:
 
     def __init__(self, path: str, text: str) -> None:
         self.path = path
-        self.text = text
-        self.lines = text.splitlines(keepends=True)
-        self.tree = ast.parse(text)
-        self.tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+        self.written = text  # as in the file: its own line endings
+        self.text = python_text(text)  # as Python reads it: what the edits are made on
+        self.lines = split_lines(self.text, keepends=True)
+        self.tree = ast.parse(self.text)
+        self.tokens = list(tokenize.generate_tokens(io.StringIO(self.text).readline))
         self._parent: dict[int, tuple[ast.AST, str]] = {}
         for node in ast.walk(self.tree):
             for name, value in ast.iter_fields(node):
@@ -226,7 +324,7 @@ class Source:
 
 def apply(text: str, edits: Sequence[Edit]) -> str:
     """``text`` with ``edits`` made; they must not overlap."""
-    lines = text.splitlines(keepends=True)
+    lines = split_lines(text, keepends=True)
     starts = [0]
     for ln in lines:
         starts.append(starts[-1] + len(ln))
@@ -271,7 +369,7 @@ def _comments_kept(old: str, new: str, edits: Sequence[Edit]) -> str:
                for n in range(e.start[0], e.end[0] + 1)}
     if not inline & comments.keys():
         return new
-    lines = new.splitlines(keepends=True)
+    lines = split_lines(new, keepends=True)
     for n in sorted(inline & comments.keys()):
         # Lines an earlier edit added or removed move this one.
         moved = n + sum(e.text.count("\n") - (e.end[0] - e.start[0]) for e in edits
@@ -286,7 +384,7 @@ def _comments_kept(old: str, new: str, edits: Sequence[Edit]) -> str:
         code = body[:len(body) - len(comment)].rstrip()
         if not code.strip() or len(body) - len(comment) <= column:
             continue
-        before = old.splitlines()[n - 1][:column]
+        before = split_lines(old)[n - 1][:column]
         gap = min(len(before) - len(before.rstrip()), 2) or 1
         at = max(column, len(code) + gap)
         lines[moved - 1] = code + " " * (at - len(code)) + comment + line[len(body):]
@@ -294,16 +392,21 @@ def _comments_kept(old: str, new: str, edits: Sequence[Edit]) -> str:
 
 
 def unified_diff(rel: str, old: str, new: str) -> str:
-    """A ``git apply``-able diff of one file, paths ``a/REL`` and ``b/REL``.
+    r"""A ``git apply``-able diff of one file, paths ``a/REL`` and ``b/REL``.
 
     A file outside the working directory keeps its absolute path (``patch -p0``).
+    Each line keeps its ending, so that the diff of a CRLF file applies to it; a
+    line ended by a lone ``\r`` (which no line-based tool reads as a line end) is
+    shown ended by ``\n``.
     """
-    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
+    a, b = split_lines(old, keepends=True), split_lines(new, keepends=True)
     if os.path.isabs(rel):  # outside the working directory: for `patch -p0`
         out, names = [], (rel, rel)
     else:
         out, names = [f"diff --git a/{rel} b/{rel}\n"], (f"a/{rel}", f"b/{rel}")
     for line in difflib.unified_diff(a, b, *names, n=3):
+        if line.endswith("\r"):
+            line = line[:-1] + "\n"
         if not line.endswith("\n"):
             line += "\n\\ No newline at end of file\n"
         out.append(line)
@@ -312,7 +415,7 @@ def unified_diff(rel: str, old: str, new: str) -> str:
 
 def changed_lines(old: str, new: str) -> tuple[int, list[str], list[str]]:
     """The first changed line (1-based, of ``old``), and the old and new lines that differ."""
-    a, b = old.splitlines(), new.splitlines()
+    a, b = split_lines(old), split_lines(new)
     first = 0
     olds: list[str] = []
     news: list[str] = []
@@ -329,7 +432,7 @@ def changed_lines(old: str, new: str) -> tuple[int, list[str], list[str]]:
 
 def line_map(old: str, new: str) -> dict[int, int]:
     """New line number -> old line number (an inserted line: the old line it stands at)."""
-    a, b = old.splitlines(), new.splitlines()
+    a, b = split_lines(old), split_lines(new)
     out: dict[int, int] = {}
     matcher = difflib.SequenceMatcher(a=a, b=b, autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():

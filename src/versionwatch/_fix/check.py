@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from versionwatch._candidates import Candidate, line_map, shown
+from versionwatch._candidates import Candidate, decode_source, line_map, shown
 from versionwatch._fix.server import ForkServer
 from versionwatch._fix.workspace import Run as Place
 from versionwatch._process import end, environment, start, wait
@@ -154,16 +154,32 @@ def _rmtree(path: str) -> None:
 
 
 def write_scratch(candidate: Candidate, folder: str) -> dict[str, str]:
-    """Write the candidate's new files under ``folder``: original path -> scratch path."""
+    """Write the candidate's new files under ``folder``: original path -> scratch path.
+
+    Each in the encoding its original is read in (a coding cookie, a BOM): the
+    child compiles the copy's bytes, and those bytes are the ones ``--apply`` writes.
+    """
     out = {}
     for i, (path, (_, new)) in enumerate(candidate.files.items()):
         sub = os.path.join(folder, f"f{i}")
         os.makedirs(sub, exist_ok=True)
         scratch = os.path.join(sub, os.path.basename(path))
-        with open(scratch, "w", encoding="utf-8") as f:
-            f.write(new)
+        with open(scratch, "wb") as f:
+            f.write(_encoded(path, new))
         out[path] = scratch
     return out
+
+
+def _encoded(path: str, text: str) -> bytes:
+    """``text`` in the encoding of the file at ``path`` (UTF-8 where that cannot hold it)."""
+    try:
+        with open(path, "rb") as f:
+            encoding = decode_source(f.read())[1]
+        return text.encode(encoding)
+    except (OSError, SyntaxError, UnicodeError):
+        # The file is gone or no longer decodes, or the patch has a character its
+        # encoding lacks: --apply refuses it then, and the check runs the text as UTF-8.
+        return text.encode("utf-8")
 
 
 # -- judging --------------------------------------------------------------------------

@@ -36,14 +36,15 @@ from versionwatch._candidates import (
     propose,
     shown,
 )
+from versionwatch._fix.apply import apply_patch
 from versionwatch._fix.check import Run, judge, run_child, usable, write_scratch
 from versionwatch._fix.server import ForkServer
 from versionwatch._fix.workspace import Workspace
 from versionwatch._report import Fix, Report
 
 USAGE = ("versionwatch fix [--check-steps N] [--timeout SECONDS] [--jobs N] [--fresh] "
-         "[--in-place] [--apply] [--json PATH] [--facts PATH] (SCRIPT | -m MODULE | -c CODE | -) "
-         "[ARGS...]")
+         "[--in-place] [--apply [--force]] [--json PATH] [--facts PATH] "
+         "(SCRIPT | -m MODULE | -c CODE | -) [ARGS...]")
 # Backwards recorded in full (losses, reach) and with their gradients.
 _RECORD_UPTO = 1000
 _GRADS_UPTO = 8
@@ -323,34 +324,6 @@ def unchecked(report: Report, main: str | None = None) -> list[Fix]:
     return out
 
 
-def apply_patch(candidate: Candidate) -> str | None:
-    """Write ``candidate``'s files; ``None`` when done, else why not (nothing written then)."""
-    cwd = os.path.realpath(os.getcwd()) + os.sep
-    for path, (old, _) in candidate.files.items():
-        if not os.path.realpath(path).startswith(cwd):
-            return f"{path} is not under the working directory; apply the patch by hand"
-        try:
-            with open(path, encoding="utf-8") as f:
-                now = f.read()
-        except OSError as e:
-            return f"cannot read {shown(path)}: {e.strerror or e}"
-        if now != old:
-            return f"{shown(path)} changed since the run; run versionwatch fix again"
-    for path, (_, new) in candidate.files.items():
-        folder = os.path.dirname(path)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".versionwatch-fix-")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(new)
-            shutil.copymode(path, tmp)
-            os.replace(tmp, path)
-        except OSError as e:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            return f"cannot write {shown(path)}: {e.strerror or e}"
-    return None
-
-
 # -- output ---------------------------------------------------------------------------
 
 def render(result: FixResult) -> str:
@@ -461,7 +434,7 @@ def to_json(result: FixResult, target: str | None) -> dict[str, Any]:
 # -- the command ---------------------------------------------------------------------
 
 _VALUED = {"--check-steps", "--timeout", "--jobs", "--json", "--facts"}
-_FLAGS = {"--apply", "--fresh", "--in-place", "-h", "--help"}
+_FLAGS = {"--apply", "--force", "--fresh", "--in-place", "-h", "--help"}
 
 
 class _Usage(Exception):
@@ -470,7 +443,7 @@ class _Usage(Exception):
 
 def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     opts: dict[str, Any] = {"check_steps": 3, "timeout": 120.0, "jobs": 1, "apply": False,
-                            "fresh": False, "in_place": False,
+                            "force": False, "fresh": False, "in_place": False,
                             "json": None, "facts": None}
     i = 0
     while i < len(argv):
@@ -481,7 +454,7 @@ def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
         if arg in ("-h", "--help"):
             opts["help"] = True
             return opts, []
-        if arg in ("--apply", "--fresh", "--in-place"):
+        if arg in ("--apply", "--force", "--fresh", "--in-place"):
             opts[arg[2:].replace("-", "_")] = True
             i += 1
             continue
@@ -527,6 +500,8 @@ def main(argv: Sequence[str], *, server: ForkServer | None = None) -> int:
         if opts.get("help"):
             print(f"usage: {USAGE}")
             return 0
+        if opts["force"] and not opts["apply"]:
+            raise _Usage("--force goes with --apply (it writes a read-only file)")
         if not program:
             raise _Usage("give a SCRIPT, -m MODULE, -c CODE or - (the program on stdin)")
         sources: dict[str, str] = {}
@@ -552,7 +527,7 @@ def main(argv: Sequence[str], *, server: ForkServer | None = None) -> int:
                  in_place=opts["in_place"])
     if opts["apply"] and result.status == "checked":
         if result.verified:
-            problem = apply_patch(result.verified[0])
+            problem = apply_patch(result.verified[0], force=opts["force"], notes=result.notes)
             if problem is None:
                 result.applied = result.verified[0]
                 result.exit_code = 0
