@@ -407,6 +407,12 @@ def test_cli_seed_story_apply_and_json(tmp_path: Path) -> None:
     done = vw(["--jobs", "2", "--json", "fix.json", "--apply", "train.py"], work, tmp)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
+    # The terminal says where the runs happen and how many there will be.
+    assert done.stderr.splitlines()[1] == (
+        "versionwatch fix: 4 patch(es) to check: 5 or 6 more run(s) (the program as meant, "
+        "then one per patch), each up to backward #7")
+    assert (f"fresh copy of the working folder (1 file(s), 1 KB) under "
+            f"{tmp}") in done.stderr.splitlines()[0]
     assert out.startswith("versionwatch fix: backward #4 at train.py:35: backward will fail: "
                           "model.w3 saved by MulBackward0 was modified by an inplace operation")
     assert "4 candidate patch(es), 3 verified" in out
@@ -457,7 +463,12 @@ def test_cli_no_hazard(tmp_path: Path, command: Any) -> None:
         encoding="utf-8")
     done = command(["ok.py"])
     assert done.returncode == 0
-    assert done.stderr.strip() == "versionwatch fix: no hazard (1 backward(s) ran); nothing to fix"
+    where, said = done.stderr.strip().splitlines()
+    # Before the first run: where every run happens (not in the user's folder).
+    assert where.startswith("versionwatch fix: every run of the program happens in a fresh "
+                            "copy of the working folder (1 file(s), 76 bytes) under ")
+    assert where.endswith("; nothing of yours is written but by --apply")
+    assert said == "versionwatch fix: no hazard (1 backward(s) ran); nothing to fix"
     assert done.stdout == ""
 
 
@@ -472,8 +483,9 @@ def test_cli_failure_not_ours(tmp_path: Path, command: Any, code: str, status: i
     done = command(["--apply", "prog.py"])
     assert done.returncode == status
     assert said in done.stderr and "nothing changed" in done.stderr
-    if status == 1:  # the program's own traceback first
-        assert done.stderr.startswith("Traceback (most recent call last):\n  File ")
+    if status == 1:  # the program's own traceback first, after where the run happened
+        assert done.stderr.split("\n", 1)[1].startswith(
+            "Traceback (most recent call last):\n  File ")
         assert "ValueError: bad data\n" in done.stderr
     assert prog.read_text(encoding="utf-8") == f"import torch\n{code}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prog.py", "tmp"]

@@ -106,7 +106,7 @@ def _program_file(program: list[str]) -> str | None:
 def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: int = 3,
         timeout: float = 120.0, jobs: int = 1, fresh: bool = False,
         sources: dict[str, str] | None = None, server: ForkServer | None = None,
-        in_place: bool = False) -> FixResult:
+        in_place: bool = False, progress: Callable[[str], None] | None = None) -> FixResult:
     """Find the first hazard of ``program``, propose patches, and check each one.
 
     What ``versionwatch fix`` does, without printing or writing anything:
@@ -131,6 +131,9 @@ def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: i
             the working folder, and of the script's folder when it is
             elsewhere; refused, status ``"too_big"``, over
             :data:`~versionwatch._fix.workspace.LIMIT_BYTES`).
+        progress: called with a line before the first run (where the runs
+            happen) and once the patches are known (how many more runs);
+            ``versionwatch fix`` prints them to stderr.
 
     Example:
         >>> import versionwatch
@@ -145,11 +148,14 @@ def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: i
     problem = workspace.plan()
     if problem is not None:
         return FixResult("too_big", 2, notes=[problem])
+    say = progress or (lambda line: None)
     own = server is None and not fresh and hasattr(os, "fork")
     if own:
         server = ForkServer()
     try:
-        result = _fix(program, facts, check_steps, timeout, jobs, sources, server, workspace)
+        say(workspace.describe())
+        result = _fix(program, facts, check_steps, timeout, jobs, sources, server, workspace,
+                      say)
         result.fill_report()
         return result
     finally:
@@ -160,7 +166,7 @@ def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: i
 
 def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: float,
          jobs: int, sources: dict[str, str] | None, server: ForkServer | None,
-         workspace: Workspace) -> FixResult:
+         workspace: Workspace, say: Callable[[str], None]) -> FixResult:
     def run(**kw: Any) -> Run:
         # Each run in its own fresh copy of the user's folders, as they were at the start.
         place = workspace.fresh()
@@ -214,6 +220,12 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
         result.notes.append("not checked: the program is not a file that can be run again "
                             "with a patch; these patches are text only")
         return result
+    n = len(candidates)
+    # The program as meant is one run, or two where strict mode's repair cannot
+    # keep what was saved; a freed graph has none.
+    runs = f"{n} more run(s) (one per patch)" if facts.kind == "freed" else (
+        f"{n + 1} or {n + 2} more run(s) (the program as meant, then one per patch)")
+    say(f"{n} patch(es) to check: {runs}, each up to backward #{failing + check_steps}")
     meant = _meant(facts, failing, check_steps, run)
 
     # A silent write through .data is seen in strict mode only: check in the mode
@@ -524,7 +536,9 @@ def main(argv: Sequence[str], *, server: ForkServer | None = None) -> int:
     result = fix(program, facts=facts, check_steps=opts["check_steps"],
                  timeout=opts["timeout"], jobs=opts["jobs"], fresh=opts["fresh"],
                  sources=sources, server=None if opts["fresh"] else server,
-                 in_place=opts["in_place"])
+                 in_place=opts["in_place"],
+                 progress=lambda line: print(f"versionwatch fix: {line}", file=sys.stderr,
+                                             flush=True))
     if opts["apply"] and result.status == "checked":
         if result.verified:
             problem = apply_patch(result.verified[0], force=opts["force"], notes=result.notes)

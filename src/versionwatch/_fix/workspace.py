@@ -58,6 +58,8 @@ class Workspace:
     in_place: bool = False
     folder: str = ""
     snapshot: str = ""
+    files: int = 0
+    size: int = 0
     _runs: int = 0
     _made: list[str] = field(default_factory=list)
 
@@ -79,6 +81,7 @@ class Workspace:
         if self.in_place:
             return None
         size = files = 0
+        self.files = self.size = 0
         for root in self.roots:
             for path, dirs, names in os.walk(root):
                 dirs[:] = [d for d in dirs if not _linked(path, d)]
@@ -88,6 +91,7 @@ class Workspace:
                         size += os.lstat(os.path.join(path, name)).st_size
                     except OSError:
                         continue
+                self.files, self.size = files, size
                 if size > LIMIT_BYTES or files > LIMIT_FILES:
                     return (f"{_shown_root(root)} holds over {LIMIT_BYTES >> 20} MB or "
                             f"{LIMIT_FILES} files; each check run would copy it, so that "
@@ -96,6 +100,17 @@ class Workspace:
                             "(the program's side effects then happen there, once per run)")
         return None
 
+    def describe(self) -> str:
+        """Where every run happens, for the terminal (after :meth:`plan`)."""
+        if self.in_place:
+            return ("--in-place: every run happens in your working folder, with the "
+                    "program's side effects there, once per run")
+        self.open()
+        where = " and of ".join(_shown_root(root) for root in self.roots)
+        return (f"every run of the program happens in a fresh copy of {where} "
+                f"({self.files} file(s), {_size(self.size)}) under {self.folder}; "
+                "nothing of yours is written but by --apply")
+
     def open(self) -> None:
         """Take the snapshot (once, before the first run)."""
         if self.in_place or self.folder:
@@ -103,7 +118,8 @@ class Workspace:
         self.folder = tempfile.mkdtemp(prefix="versionwatch-fix-")
         self.snapshot = os.path.join(self.folder, "snapshot")
         for root in self.roots:
-            _copy(root, os.path.join(self.snapshot, os.path.relpath(root, self.base)))
+            _copy(root, os.path.join(self.snapshot, os.path.relpath(root, self.base)),
+                  os.path.realpath(self.folder))
 
     def fresh(self) -> Run:
         """A new copy of the snapshot for one run (the user's folder, in place)."""
@@ -134,6 +150,12 @@ class Workspace:
             self.folder = ""
 
 
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} bytes"
+    return f"{n / 1024:.0f} KB" if n < 1 << 20 else f"{n / (1 << 20):.0f} MB"
+
+
 def _shown_root(root: str) -> str:
     try:
         rel = os.path.relpath(root)
@@ -142,11 +164,17 @@ def _shown_root(root: str) -> str:
     return "the working folder" if rel == "." else rel
 
 
-def _copy(src: str, dst: str) -> None:
-    """``src`` to ``dst``: files copied with their modes, tool folders linked."""
+def _copy(src: str, dst: str, own: str) -> None:
+    """``src`` to ``dst``: files copied with their modes, tool folders linked.
+
+    ``own``: the workspace's folder, left out where it is under ``src`` (a
+    TMPDIR inside the working folder): the copy would copy itself.
+    """
     os.makedirs(dst, exist_ok=True)
     with os.scandir(src) as entries:
         for entry in entries:
+            if entry.path == own or os.path.realpath(entry.path) == own:
+                continue
             target = os.path.join(dst, entry.name)
             try:
                 if entry.is_symlink():
@@ -155,7 +183,7 @@ def _copy(src: str, dst: str) -> None:
                     if _linked(src, entry.name):
                         os.symlink(entry.path, target)
                     else:
-                        _copy(entry.path, target)
+                        _copy(entry.path, target, own)
                 elif entry.is_file():
                     shutil.copy2(entry.path, target)
             except OSError:
