@@ -175,8 +175,21 @@ def test_a_forked_training_is_said_not_followed(tmp_path: Path, how: str) -> Non
     assert lines[0] == ("versionwatch fix: no hazard seen (0 backward(s) ran in the main "
                         "process), but versionwatch fix did not follow all the program did:"
                         ), done.stderr
-    assert lines[1].startswith("versionwatch fix: the program forked 1 process(es), which "
-                               "versionwatch fix does not follow"), done.stderr
+    assert lines[1].startswith("versionwatch fix: the program ran backwards in 1 forked "
+                               "process(es), which versionwatch fix does not follow"), done.stderr
+
+
+def test_a_fork_that_runs_no_backward_is_no_matter(tmp_path: Path) -> None:
+    """A fork that trains nothing (a DataLoader's worker) leaves "no hazard" bare."""
+    (tmp_path / "train.py").write_text(MODEL + textwrap.dedent("""\
+        if os.fork() == 0:
+            os._exit(0)
+        os.wait()
+        train(1)
+    """))
+    done = versionwatch(tmp_path, "fix", "train.py", cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (
+        0, "versionwatch fix: no hazard (2 backward(s) ran); nothing to fix\n")
 
 
 def test_a_training_on_a_thread_says_what_the_check_could_not_run(tmp_path: Path) -> None:

@@ -69,7 +69,7 @@ class Run:
     stderr: str = ""
     seconds: float = 0.0
     report_pickle: str | None = None
-    forks: int = 0  # processes the program forked: not followed
+    forks: int = 0  # processes the program forked that ran a backward: not followed
     stdin_read: bool = False  # the program read its (empty) standard input
 
     def record(self, n: int) -> dict[str, Any] | None:

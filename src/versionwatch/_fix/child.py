@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import base64
 import contextlib
+import glob
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -472,9 +473,9 @@ class Tracker:
         self.result: dict[str, Any] = {}
         # A scratch copy's lines stand for the original file's, in the record.
         self.back = {v: k for k, v in scratch.items()}
-        # The processes the program forked: what they run is not followed (see install).
-        self.forks = 0
-        self.forked = False  # this process is one of them
+        # A process the program forked: what it runs is not followed (see install).
+        self.forked = False  # this process is one
+        self.fork_noted = False  # it has run a backward, and said so
         self.stdin = _NotedStdin()
 
     # -- installation ------------------------------------------------------------
@@ -490,17 +491,23 @@ class Tracker:
         register_optimizer_step_pre_hook(self._step_pre)
         register_optimizer_step_post_hook(self._step_post)
         # A process the program forks (os.fork, multiprocessing's "fork") runs on
-        # with this tracker, but its record would never reach the run's: it is
-        # counted here, so the result can say what was not followed, and the fork
-        # records nothing (nor writes the run's record in its stead).
-        os.register_at_fork(before=self._fork, after_in_child=self._in_fork)
+        # with this tracker, but its record would never reach the run's: it records
+        # nothing (nor writes the run's record in its stead), and one that runs a
+        # backward leaves a mark by the record, so that the result can say what was
+        # not followed. A fork that runs none (a DataLoader's worker) is no matter.
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._in_fork)
         self.stdin.install()
 
-    def _fork(self) -> None:
-        self.forks += 1
-
     def _in_fork(self) -> None:
-        self.forked = True
+        self.forked, self.fork_noted = True, False
+
+    def _fork_backward(self) -> None:
+        if not self.fork_noted:
+            self.fork_noted = True
+            with contextlib.suppress(OSError):
+                os.close(os.open(f"{self.out}.forked.{os.getpid()}",
+                                 os.O_CREAT | os.O_WRONLY, 0o600))
 
     def install_checks(self) -> None:
         """A ``check()`` or ``assert_backward_safe()`` that finds a hazard is the failure.
@@ -599,7 +606,10 @@ class Tracker:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             # A backward inside a backward, or torch.compile tracing one (AOTAutograd's
             # joint graph, on fake tensors): none of the program's own backwards.
-            if getattr(self.local, "depth", 0) or is_compiling() or self.forked:
+            if self.forked:
+                self._fork_backward()
+                return inner(*args, **kwargs)
+            if getattr(self.local, "depth", 0) or is_compiling():
                 return inner(*args, **kwargs)
             roots = args[at] if len(args) > at else kwargs.get(first)
             if isinstance(roots, (torch.Tensor, list, tuple)) and any(
@@ -831,7 +841,13 @@ class Tracker:
         self.result["backwards"] = self.n
         self.result["records"] = self.records
         self.result["steps"] = self.step_log
-        self.result["forks"] = self.forks
+        # The forks that ran a backward (those that have so far: one still running
+        # may run its first later).
+        marks = glob.glob(glob.escape(self.out) + ".forked.*")
+        self.result["forks"] = len(marks)
+        for mark in marks:
+            with contextlib.suppress(OSError):
+                os.unlink(mark)
         self.result["stdin_read"] = self.stdin.read_at_all
         tmp = self.out + ".tmp"
         try:

@@ -490,9 +490,9 @@ def not_followed(result: FixResult) -> list[str]:
         return []
     out = []
     if original.forks:
-        out.append(f"the program forked {original.forks} process(es), which versionwatch fix "
-                   "does not follow: their backwards were not checked; run the training in "
-                   "the main process to check it")
+        out.append(f"the program ran backwards in {original.forks} forked process(es), which "
+                   "versionwatch fix does not follow: they were not checked; run the training "
+                   "in the main process to check it")
     if original.stdin_read:
         out.append("the program read its standard input, which versionwatch fix does not "
                    "pass to the program's runs (each reads an empty one); give the program "
