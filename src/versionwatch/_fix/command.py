@@ -498,7 +498,8 @@ def not_followed(result: FixResult) -> list[str]:
                    "pass to the program's runs (each reads an empty one); give the program "
                    "its input as a file to check the training on it")
     rec = original.record(result.failing) if result.failing else None
-    if rec and rec.get("thread") and not all(c.verified for c in result.candidates):
+    cands = result.candidates
+    if rec and rec.get("thread") and (not cands or not all(c.verified for c in cands)):
         out.append(f"backward #{result.failing} ran on thread {rec['thread']!r}: the check "
                    "runs the program as meant (each backward with what its forward saved) "
                    "on the main thread only, so a patch that changes the training is "
