@@ -835,3 +835,16 @@ def test_a_program_that_watches_its_own_model(tmp_path: Path):
         doc = json.loads((tmp_path / f"{mode}.json").read_text())
         (h,) = doc["hazards"]  # the program's watcher found it; the run's report has it once
         assert h["tensor"] == "model.2.weight", mode
+
+
+def test_merge_of_deeply_nested_json_is_a_usage_error(tmp_path: Path):
+    """json's parser recurses once per level: a RecursionError, not a traceback."""
+    (tmp_path / "deep.json").write_text("[" * 100_000)
+    (tmp_path / "deep_inside.json").write_text(
+        '{"schema": "versionwatch.report/1", "ok": true, "hazards": '
+        + "[" * 100_000 + "]" * 100_000 + "}")
+    for name in ("deep.json", "deep_inside.json"):
+        done = vw("merge", name, cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr == (f"versionwatch merge: error: {name} is nested too deeply to be "
+                               "a versionwatch report\n")

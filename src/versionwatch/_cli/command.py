@@ -250,7 +250,9 @@ def _run(args: argparse.Namespace) -> int:
     args.source = sys.stdin.buffer.read() if stdin else None
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = argv
-    if args.module:
+    if getattr(sys.flags, "safe_path", False):
+        pass  # -P/PYTHONSAFEPATH: python gives the program no entry; ours is none either
+    elif args.module:
         sys.path[0] = os.getcwd()
     elif stdin:
         sys.path[0] = ""

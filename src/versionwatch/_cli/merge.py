@@ -101,6 +101,8 @@ def _load(path: str) -> _ReportDoc:
             doc = json.load(f)
     except OSError as e:
         raise MergeError(f"cannot read {path}: {e.strerror or e}") from None
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise MergeError(f"{path} is nested too deeply to be a versionwatch report") from None
     except ValueError as e:
         raise MergeError(f"{path} is not JSON: {e}") from None
     if not isinstance(doc, dict) or not str(doc.get("schema", "")).startswith(

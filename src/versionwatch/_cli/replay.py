@@ -16,13 +16,21 @@ import json
 import os
 import selectors
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import replace
 from typing import Any
 
-from versionwatch._process import end, environment, exited, kill_group, start, terminate, wait
+from versionwatch._process import (
+    end,
+    environment,
+    exited,
+    kill_group,
+    python_module,
+    start,
+    terminate,
+    wait,
+)
 from versionwatch._report import Fix, Hazard, Modification, Report, Site, Writer, fix_for
 
 # The child's own option, N:PARENT:DEATH_FD:REPORT_FD: stop at backward N, write the
@@ -199,7 +207,7 @@ class Child:
     def _start(self, death_r: int, death_w: int,
                report_w: int) -> subprocess.Popen[bytes] | None:
         child = f"{self.backward}:{os.getpid()}:{death_r}:{report_w}"
-        argv = [sys.executable, "-m", "versionwatch", "run", "--strict", "--quiet",
+        argv = [*python_module("versionwatch"), "run", "--strict", "--quiet",
                 CHILD_OPTION, child, "--", *self.command]
         if self.command[:1] == ["-m"]:  # `--` would make "-m" the script's name
             argv = [*argv[:argv.index("--")], *self.command]

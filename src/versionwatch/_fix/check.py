@@ -36,7 +36,6 @@ import json
 import os
 import pickle
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ from typing import Any
 from versionwatch._candidates import Candidate, decode_source, line_map, shown
 from versionwatch._fix.server import ForkServer
 from versionwatch._fix.workspace import Run as Place
-from versionwatch._process import end, environment, start, wait
+from versionwatch._process import end, environment, python_module, start, wait
 from versionwatch._report import Report
 
 
@@ -70,6 +69,8 @@ class Run:
     stderr: str = ""
     seconds: float = 0.0
     report_pickle: str | None = None
+    forks: int = 0  # processes the program forked that ran a backward: not followed
+    stdin_read: bool = False  # the program read its (empty) standard input
 
     def record(self, n: int) -> dict[str, Any] | None:
         return next((r for r in self.records if r["n"] == n), None)
@@ -118,7 +119,7 @@ def run_child(program: list[str], *, scratch: dict[str, str] | None = None,
             code, timed_out = answer
         else:
             with open(err_path, "wb") as err:
-                proc = start([sys.executable, "-m", "versionwatch._fix.child", spec_path],
+                proc = start([*python_module("versionwatch._fix.child"), spec_path],
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                              env=environment())
                 try:

@@ -28,9 +28,11 @@ from __future__ import annotations
 import ast
 import base64
 import contextlib
+import glob
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import io
 import json
 import linecache
 import os
@@ -471,6 +473,10 @@ class Tracker:
         self.result: dict[str, Any] = {}
         # A scratch copy's lines stand for the original file's, in the record.
         self.back = {v: k for k, v in scratch.items()}
+        # A process the program forked: what it runs is not followed (see install).
+        self.forked = False  # this process is one
+        self.fork_noted = False  # it has run a backward, and said so
+        self.stdin = _NotedStdin()
 
     # -- installation ------------------------------------------------------------
     def install(self) -> None:
@@ -484,6 +490,24 @@ class Tracker:
         autograd.grad = self._wrap(autograd.grad, 0, "outputs", 1)
         register_optimizer_step_pre_hook(self._step_pre)
         register_optimizer_step_post_hook(self._step_post)
+        # A process the program forks (os.fork, multiprocessing's "fork") runs on
+        # with this tracker, but its record would never reach the run's: it records
+        # nothing (nor writes the run's record in its stead), and one that runs a
+        # backward leaves a mark by the record, so that the result can say what was
+        # not followed. A fork that runs none (a DataLoader's worker) is no matter.
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._in_fork)
+        self.stdin.install()
+
+    def _in_fork(self) -> None:
+        self.forked, self.fork_noted = True, False
+
+    def _fork_backward(self) -> None:
+        if not self.fork_noted:
+            self.fork_noted = True
+            with contextlib.suppress(OSError):
+                os.close(os.open(f"{self.out}.forked.{os.getpid()}",
+                                 os.O_CREAT | os.O_WRONLY, 0o600))
 
     def install_checks(self) -> None:
         """A ``check()`` or ``assert_backward_safe()`` that finds a hazard is the failure.
@@ -496,7 +520,7 @@ class Tracker:
         from versionwatch._predict import CHECK_OBSERVERS
 
         def observe(report: Report, frame: FrameType) -> None:
-            if not report.ok and not getattr(self.local, "depth", 0):
+            if not report.ok and not getattr(self.local, "depth", 0) and not self.forked:
                 self.predicted(report, frame)
 
         CHECK_OBSERVERS.append(observe)
@@ -582,6 +606,9 @@ class Tracker:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             # A backward inside a backward, or torch.compile tracing one (AOTAutograd's
             # joint graph, on fake tensors): none of the program's own backwards.
+            if self.forked:
+                self._fork_backward()
+                return inner(*args, **kwargs)
             if getattr(self.local, "depth", 0) or is_compiling():
                 return inner(*args, **kwargs)
             roots = args[at] if len(args) > at else kwargs.get(first)
@@ -605,6 +632,10 @@ class Tracker:
             k = self.n
             frame = _user_frame(sys._getframe(1))
             rec: dict[str, Any] = {"n": k, "site": self._site(frame)}
+            if threading.current_thread() is not threading.main_thread():
+                # The run as meant (strict repair, allow_mutation) covers the main
+                # thread only: the result says so for a backward elsewhere.
+                rec["thread"] = threading.current_thread().name
             names: dict[int, tuple[str, torch.Tensor]] = {}
             if k <= self.record_upto or k in self.grads_at:
                 names = _leaf_names(frame)
@@ -800,11 +831,24 @@ class Tracker:
         self.finish("error", 1)
 
     def finish(self, status: str, code: int) -> NoReturn:
+        if self.forked:  # a process the program forked: the run's record is not its to write
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)
         self.result.setdefault("status", status)
         self.result.setdefault("exit", code)
         self.result["backwards"] = self.n
         self.result["records"] = self.records
         self.result["steps"] = self.step_log
+        # The forks that ran a backward (those that have so far: one still running
+        # may run its first later).
+        marks = glob.glob(glob.escape(self.out) + ".forked.*")
+        self.result["forks"] = len(marks)
+        for mark in marks:
+            with contextlib.suppress(OSError):
+                os.unlink(mark)
+        self.result["stdin_read"] = self.stdin.read_at_all
         tmp = self.out + ".tmp"
         try:
             torch.save(self.result, tmp)
@@ -818,6 +862,39 @@ class Tracker:
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(0)
+
+
+class _NotedStdin(io.RawIOBase):
+    """The program's standard input in a run (empty: the runs read ``/dev/null``), noting
+    whether the program read it: a program that found it empty may have trained on
+    nothing, and the result must not then pass for a program without a hazard.
+
+    Under ``sys.stdin`` (text, bytes through ``.buffer``, ``input()``, iteration); a
+    read of file descriptor 0 itself is not seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read_at_all = False
+
+    def install(self) -> None:
+        old = sys.stdin
+        if old is None:
+            return
+        sys.stdin = io.TextIOWrapper(io.BufferedReader(self),
+                                     encoding=getattr(old, "encoding", None) or "utf-8",
+                                     errors=getattr(old, "errors", None) or "strict")
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return 0
+
+    def readinto(self, buffer: Any) -> int:
+        self.read_at_all = True
+        data = os.read(0, len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
 
 
 def _one_line(err: BaseException) -> str:
@@ -849,17 +926,21 @@ def main(argv: Sequence[str]) -> int:
     scratch = {os.path.realpath(k): v for k, v in (spec.get("scratch") or {}).items()}
     program: list[str] = spec["argv"]
     sys.meta_path.insert(0, ScratchFinder(scratch))
+    # The program's first entry on sys.path, in the slot its interpreter made for it
+    # (_process.python_module; none under -P/PYTHONSAFEPATH, as for the plain program).
     if program[0] == "-m":
         sys.argv = ["-m", *program[2:]]
-        sys.path[0] = os.getcwd()
+        entry = os.getcwd()
     elif program[0] == "-c":
         sys.argv = ["-c", *program[2:]]
-        sys.path[0] = ""
+        entry = ""
     else:
         if os.path.isabs(program[0]):
             program = [MIRROR.copy_of(program[0]), *program[1:]]
         sys.argv = list(program)
-        sys.path[0] = os.path.dirname(os.path.realpath(program[0]))
+        entry = os.path.dirname(os.path.realpath(program[0]))
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[0] = entry
     watcher = None
     if spec.get("watch", "default") != "none":
         from versionwatch._watch import watch_all

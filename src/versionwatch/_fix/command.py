@@ -24,7 +24,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from versionwatch._candidates import (
@@ -309,6 +309,61 @@ def _backward_asked(asked_at: Line, sources: Sources) -> Line | None:
     return Line(asked_at.file, stmt.lineno, src.line_text(stmt.lineno).strip())
 
 
+def _facts_file(path: str) -> FixFacts:
+    """``--facts PATH``: the facts a ``--json`` document's ``fix`` section holds; a file
+    that is not such facts is a usage error, in one line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise _Usage(f"--facts {path}: cannot read it: {e.strerror or e}") from None
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise _Usage(f"--facts {path}: nested too deeply to be facts") from None
+    except ValueError as e:
+        raise _Usage(f"--facts {path}: not JSON: {e}") from None
+    problem = _facts_problem(data)
+    if problem is not None:
+        raise _Usage(f"--facts {path}: {problem}")
+    try:
+        return FixFacts.from_dict(data)
+    except (ValueError, KeyError, TypeError) as e:
+        raise _Usage(f"--facts {path}: {e}") from None
+
+
+def _facts_problem(data: Any) -> str | None:
+    """What in ``data`` does not fit :class:`FixFacts`' fields, or ``None``; checked here,
+    as ``from_dict`` trusts the types of what the program's own run wrote."""
+    if not isinstance(data, dict):
+        return f"the facts are {type(data).__name__}, not a JSON object"
+    # The fields' annotations, as written (``Line | None``, ``tuple[Line, ...]``):
+    # strings, which Python 3.9 cannot evaluate.
+    hints = {f.name: str(f.type) for f in fields(FixFacts)}
+    for name, value in data.items():
+        hint = hints.get(name)
+        if hint is None or value is None:
+            continue  # an unknown fact: from_dict names it
+        if hint.startswith("Line"):
+            lines, what = [value], "a line ({file, line})"
+        elif hint.startswith("tuple[Line"):
+            lines, what = value, "a list of lines ({file, line})"
+            if not isinstance(value, list):
+                return f"fact {name} is not {what}"
+        elif name == "sources":
+            if not (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())):
+                return f"fact {name} is not an object of file names and their text"
+            continue
+        else:
+            if not isinstance(value, str):
+                return f"fact {name} is {type(value).__name__}, not a string"
+            continue
+        for line in lines:
+            if not (isinstance(line, dict) and isinstance(line.get("file"), str)
+                    and type(line.get("line")) is int
+                    and isinstance(line.get("code", ""), (str, type(None)))):
+                return f"fact {name} is not {what}"
+    return None
+
+
 def _facts_of(run: Run) -> FixFacts:
     if run.facts:
         return FixFacts.from_dict(run.facts)
@@ -343,9 +398,15 @@ def render(result: FixResult) -> str:
     original = result.original
     if result.status == "too_big":
         return f"versionwatch fix: error: {result.notes[0]}"
+    unfollowed = [f"versionwatch fix: {note}" for note in not_followed(result)]
     if result.status == "no_hazard":
         n = original.backwards if original else 0
-        return f"versionwatch fix: no hazard ({n} backward(s) ran); nothing to fix"
+        if not unfollowed:
+            return f"versionwatch fix: no hazard ({n} backward(s) ran); nothing to fix"
+        where = " in the main process" if original and original.forks else ""
+        return "\n".join([f"versionwatch fix: no hazard seen ({n} backward(s) ran{where}), "
+                          "but versionwatch fix did not follow all the program did:",
+                          *unfollowed])
     if result.status == "not_ours":
         what = original.error if original and original.error else "an error"
         where = ""
@@ -355,8 +416,8 @@ def render(result: FixResult) -> str:
             what = f"exit status {original.exit}"
         if original and original.status == "timeout":
             what = "a time-out"
-        return (f"versionwatch fix: the program ended with {what}{where}, not a failure "
-                "versionwatch fixes; nothing changed")
+        return "\n".join([f"versionwatch fix: the program ended with {what}{where}, not a "
+                          "failure versionwatch fixes; nothing changed", *unfollowed])
     out = []
     head = (original.text.splitlines()[0] if original and original.text else "").removeprefix(
         "versionwatch: ")
@@ -372,7 +433,7 @@ def render(result: FixResult) -> str:
                          if ln.strip().startswith("fix ")), "")
         if fix_line:
             out.append("  " + fix_line)
-        return "\n".join(out)
+        return "\n".join(out + unfollowed)
     if result.status == "unchecked":
         out.append(f"versionwatch fix: {len(cands)} candidate patch(es), not checked")
         for note in result.notes:
@@ -403,7 +464,33 @@ def render(result: FixResult) -> str:
         out.append(f"versionwatch fix: applied the first verified patch to "
                    f"{', '.join(shown(p) for p in result.applied.files)}")
     out.extend(f"versionwatch fix: {note}" for note in result.notes)
-    return "\n".join(out)
+    return "\n".join(out + unfollowed)
+
+
+def not_followed(result: FixResult) -> list[str]:
+    """What of the program its runs did not follow, each said as a note: a result
+    without them would claim what the runs did not see."""
+    original = result.original
+    if original is None:
+        return []
+    out = []
+    if original.forks:
+        out.append(f"the program ran backwards in {original.forks} forked process(es), which "
+                   "versionwatch fix does not follow: they were not checked; run the training "
+                   "in the main process to check it")
+    if original.stdin_read:
+        out.append("the program read its standard input, which versionwatch fix does not "
+                   "pass to the program's runs (each reads an empty one); give the program "
+                   "its input as a file to check the training on it")
+    rec = original.record(result.failing) if result.failing else None
+    cands = result.candidates
+    if rec and rec.get("thread") and (not cands or not all(c.verified for c in cands)):
+        out.append(f"backward #{result.failing} ran on thread {rec['thread']!r}: the check "
+                   "runs the program as meant (each backward with what its forward saved) "
+                   "on the main thread only, so a patch that changes the training is "
+                   "compared with the failing run instead; run the training on the main "
+                   "thread to check such patches")
+    return out
 
 
 def _head(c: Candidate) -> str:
@@ -439,6 +526,7 @@ def to_json(result: FixResult, target: str | None) -> dict[str, Any]:
             "candidates": fixes,
             "applied": None if result.applied is None else {
                 "file": shown(result.applied.file), "line": result.applied.line},
+            "notes": [*result.notes, *not_followed(result)],
         },
     }
 
@@ -523,13 +611,7 @@ def main(argv: Sequence[str], *, server: ForkServer | None = None) -> int:
             sources["<string>"] = code
         elif program[0] not in ("-m", "-c") and not os.path.isfile(program[0]):
             raise _Usage(f"can't open file {program[0]!r}: no such file")
-        facts = None
-        if opts["facts"]:
-            try:
-                with open(opts["facts"], encoding="utf-8") as f:
-                    facts = FixFacts.from_dict(json.load(f))
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise _Usage(f"--facts {opts['facts']}: {e}") from None
+        facts = _facts_file(opts["facts"]) if opts["facts"] else None
     except _Usage as e:
         print(f"versionwatch fix: error: {e} (versionwatch fix --help)", file=sys.stderr)
         return 2

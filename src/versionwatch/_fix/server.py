@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from versionwatch._process import end, environment, signal_group, start, wait
+from versionwatch._process import end, environment, python_module, signal_group, start, wait
 
 
 class ForkServer:
@@ -44,7 +44,7 @@ class ForkServer:
     """
 
     def __init__(self) -> None:
-        self.proc = start([sys.executable, "-m", "versionwatch._fix.server"],
+        self.proc = start(python_module("versionwatch._fix.server"),
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, env=environment())
         self.lock = threading.Lock()
