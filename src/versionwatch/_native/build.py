@@ -185,6 +185,19 @@ def cached() -> tuple[str, str]:
         other file (cut short, empty, another library, no record), which must
         never be loaded; ``why`` is a few words (``size 0, expected 247288``).
     """
+    found = _held_to_record()
+    for _ in range(2):
+        if found[0] != "damaged":
+            break
+        # A build puts a library, then its record, in place: between the two
+        # renames the new library has the old record. Look again.
+        time.sleep(0.05)
+        found = _held_to_record()
+    return found
+
+
+def _held_to_record() -> tuple[str, str]:
+    """One look of :func:`cached`."""
     lib = library_path()
     try:
         size = lib.stat().st_size
@@ -425,13 +438,14 @@ def _child(argv: Sequence[str]) -> int:
         return _CHILD_FAILED
     linked = Path(where) / Path(lib).name
     size, digest = _digest(linked)
+    temporary = Path(f"{record}.{os.getpid()}")
     try:
         _write_durably(linked, None)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(record)  # the old library's, if any: never beside the new one
+        _write_durably(temporary, _record_text(size, digest))
+        # Two renames, the record's last: a library in place with another's
+        # record lasts one system call (which a reader's second look covers);
+        # one cut short never gets a record.
         os.replace(linked, lib)
-        temporary = f"{record}.{os.getpid()}"
-        _write_durably(Path(temporary), _record_text(size, digest))
         os.replace(temporary, record)
     except OSError as e:
         print(f"{_CHILD_SAYS}could not put {Path(lib).name} in place: {e}", flush=True)
