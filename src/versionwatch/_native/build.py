@@ -60,7 +60,7 @@ if sys.path and sys.path[0] == "":
 from versionwatch._native.build import _child
 sys.exit(_child(sys.argv[1:]))
 """
-# The first line of the child's own failures in the log, and its exit status then.
+# How the child's own lines in the log begin, and its exit status when it fails.
 _CHILD_SAYS = "versionwatch: "
 _CHILD_FAILED = 3
 
@@ -143,6 +143,7 @@ def record_path() -> Path:
 
 
 def lock_path() -> Path:
+    """The build lock: held by a build, and by whoever sets a damaged library aside."""
     return cache_root() / f"{extension_name()}.lock"
 
 
@@ -173,6 +174,7 @@ def _digest(path: Path) -> tuple[int, str]:
 
 
 def _record_text(size: int, digest: str) -> str:
+    """A record's whole text; :func:`cached` reads nothing else as one."""
     return f"size {size}\nsha256 {digest}\n"
 
 

@@ -138,7 +138,8 @@ def _load(allow_build: bool) -> None:
         _done(None, f"unavailable: {type(e).__name__}: {e}")
         return
     if state == "damaged":  # still there: another build holds it, or a read-only cache
-        _done(None, f"unavailable: {_STATE.found}; {_PYTHON_RUNS}")
+        found = _STATE.found or f"the cached library {lib} is damaged ({why})"
+        _done(None, f"unavailable: {found}; {_PYTHON_RUNS}")
         return
     if state == "absent":
         if _STATE.found and not (value == "1" and allow_build):
@@ -154,7 +155,7 @@ def _load(allow_build: bool) -> None:
             _done(None, "not built: `versionwatch native build` builds it (or set "
                         f"{ENV_MODE}=1 to build it at first use); {_PYTHON_RUNS}")
             return
-        if _exists(failed):
+        if os.path.exists(failed):  # False, not an error, in a folder we cannot read
             why = failed.read_text(encoding="utf-8", errors="replace").strip()
             _done(None, f"unavailable: the last build failed: {why}; "
                         f"`versionwatch native build` tries again; {_PYTHON_RUNS}")
@@ -186,14 +187,6 @@ def _load(allow_build: bool) -> None:
         return
     _STATE.graphs = graphs
     _done(ext, f"loaded: {lib} (self-test passed on {graphs} graphs in {took:.0f} ms)")
-
-
-def _exists(path: os.PathLike[str]) -> bool:
-    """Whether ``path`` exists; a folder that cannot be read holds nothing we can use."""
-    try:
-        return os.path.exists(path)
-    except OSError:
-        return False
 
 
 def _done(module: types.ModuleType | None, line: str) -> None:
