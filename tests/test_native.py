@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import inspect
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -285,6 +286,331 @@ def test_a_killed_build_leaves_nothing_that_blocks_the_next(
     again = _native_build.build(timeout=240.0)
     assert time.monotonic() - start < 240
     assert not again.ok and "/nonexistent/c++" in again.line, again.line
+
+
+# -- a cache that cannot be written, a damaged library, builds at once ---------------
+
+# A watched training whose last backward reads a stale weight; its results, then
+# the helper's status (which differs with the cache, and is compared apart).
+_TRAIN = """\
+import torch, versionwatch
+from versionwatch._native import loader
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+got = []
+with versionwatch.watch(model, opt, on_hazard=got.append):
+    for _ in range(3):
+        loss = model(torch.ones(2, 3)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    loss = model(torch.ones(2, 3)).sum()
+    opt.step()
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        print("raised:", "inplace operation" in str(e))
+print(len(got), got[0].hazards[0].where, [round(p.sum().item(), 4) for p in model.parameters()])
+print(loader.status())
+"""
+
+
+def _train(env: dict[str, str], cwd: Path) -> tuple[list[str], str, str]:
+    """(the results, the status line, stderr) of ``_TRAIN`` run with ``env``."""
+    out = subprocess.run([sys.executable, "-c", _TRAIN], env=env, cwd=cwd, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    *results, line = out.stdout.splitlines()
+    return results, line, out.stderr
+
+
+@pytest.fixture(scope="module")
+def plain_results(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """``_TRAIN``'s results with the helper off: what every fallback must print."""
+    results, line, _ = _train(_env(VERSIONWATCH_NATIVE="0"), tmp_path_factory.mktemp("plain"))
+    assert line.startswith("disabled: ") and results[0] == "raised: True", (results, line)
+    return results
+
+
+def _lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def _unwritable(kind: str, tmp_path: Path) -> str:
+    """A cache folder that cannot be created, even by root."""
+    if kind == "under a file":
+        (tmp_path / "file").write_text("")
+        return str(tmp_path / "file" / "cache")
+    if kind == "/dev/null/x":
+        return "/dev/null/x"
+    probe = "/sys/versionwatch-test-cache"  # sysfs: no new folder, for root either
+    try:
+        os.mkdir(probe)
+    except PermissionError:
+        return probe
+    except OSError as e:
+        pytest.skip(f"no folder here refuses root with PermissionError: {e}")
+    os.rmdir(probe)
+    pytest.skip("root may create folders in /sys here")
+
+
+@posix_only
+@pytest.mark.parametrize("kind", ["under a file", "/dev/null/x", "permission denied"])
+def test_a_cache_that_cannot_be_created_falls_back_to_python(
+        kind: str, tmp_path: Path, plain_results: list[str]) -> None:
+    """``VERSIONWATCH_NATIVE=1`` with a cache folder that mkdir refuses: Python, the
+    same results, nothing on stderr (it died at the first watched backward)."""
+    where = _unwritable(kind, tmp_path)
+    env = _env(VERSIONWATCH_NATIVE="1", VERSIONWATCH_NATIVE_DIR=where)
+    results, line, err = _train(env, tmp_path)
+    assert results == plain_results
+    assert line.startswith("unavailable: the build failed: the cache folder "), line
+    assert "cannot be written" in line and "Traceback" not in err and len(_lines(err)) <= 1, err
+    built = _cli("native", "build", env=env)
+    assert built.returncode == 1 and built.stderr == "", built.stderr
+    assert _lines(built.stdout) == [built.stdout.strip()]
+    assert "the build failed after" in built.stdout and "cannot be written" in built.stdout
+    status = _cli("native", "status", env=env)
+    assert status.returncode == 0 and status.stdout.startswith("not built yet: "), status.stdout
+
+
+def _as_read_only(folder: Path, argv: list[str]) -> list[str]:
+    """``argv`` run where ``folder`` is read-only for it: a read-only bind mount in a
+    mount namespace of its own (root ignores file modes; uid 65534 cannot run this
+    Python here, whose installation lies under /root). A user other than root: its mode."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return argv
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no user and mount namespaces here: {probe.stderr!r}")
+    script = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" "$1" && shift && exec "$@"'
+    return ["unshare", "-rm", "sh", "-c", script, "sh", str(folder), *argv]
+
+
+@posix_only
+def test_a_read_only_home_cache_falls_back_to_python(tmp_path: Path,
+                                                     plain_results: list[str]) -> None:
+    home = tmp_path / "home"
+    (home / ".cache").mkdir(parents=True)
+    env = _env(VERSIONWATCH_NATIVE="1", HOME=str(home))
+    for var in ("XDG_CACHE_HOME", "VERSIONWATCH_NATIVE_DIR"):
+        env.pop(var, None)
+    out = subprocess.run(_as_read_only(home / ".cache", [sys.executable, "-c", _TRAIN]),
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    *results, line = out.stdout.splitlines()
+    assert results == plain_results
+    assert line.startswith("unavailable: the build failed: the cache folder "
+                           f"{home / '.cache' / 'versionwatch'} cannot be written"), line
+    assert len(_lines(out.stderr)) <= 1, out.stderr
+    assert list((home / ".cache").iterdir()) == []
+
+
+def _proven_cache(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """A cache of its own holding a copy of the proven library, its record and its
+    build directory (a rebuild then only links): the environment, and the library."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    lib = _native_build.library_path()
+    for path in (lib, _native_build.record_path()):
+        shutil.copy2(path, cache / path.name)
+    shutil.copytree(_native_build.build_dir(), cache / _native_build.build_dir().name,
+                    ignore=shutil.ignore_patterns("lock"))
+    return _env(VERSIONWATCH_NATIVE_DIR=str(cache)), cache / lib.name
+
+
+def _damage(kind: str, lib: Path) -> None:
+    data = lib.read_bytes()
+    if kind == "truncated":  # a build or a copy cut short: SIGBUS for whoever maps it
+        lib.write_bytes(data[:len(data) // 2])
+    elif kind == "empty":
+        lib.write_bytes(b"")
+    elif kind == "foreign":  # another library under its name
+        other = min(Path(torch.__file__).parent.joinpath("lib").glob("lib*.so*"),
+                    key=lambda p: p.stat().st_size)
+        shutil.copyfile(other, lib)
+    elif kind == "one byte changed":  # same size: only the digest tells
+        middle = len(data) // 2
+        lib.write_bytes(data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:])
+    else:  # "no record": whole, but no build finished it here
+        lib.with_suffix(".record").unlink()
+
+
+DAMAGES = ["truncated", "empty", "foreign", "one byte changed", "no record"]
+
+
+def _why(kind: str, good: int, now: int) -> str:
+    """What the status line says of a library damaged so: ``good`` the proven size,
+    ``now`` the damaged one's."""
+    if kind == "one byte changed":
+        return f"(size {good}, sha256 "
+    if kind == "no record":
+        return f"(size {good}, and no record of a finished build)"
+    return f"(size {now}, expected {good})"
+
+
+@posix_only
+@pytest.mark.parametrize("kind", DAMAGES)
+def test_status_sets_a_damaged_library_aside(ext: Any, kind: str, tmp_path: Path) -> None:
+    """Never loaded (a truncated one killed ``native status`` with SIGBUS): set aside,
+    and said in the status line."""
+    env, lib = _proven_cache(tmp_path)
+    good = lib.stat().st_size
+    _damage(kind, lib)
+    damaged = lib.read_bytes()
+    first = _cli("native", "status", env=env)
+    assert first.returncode == 0, (first.returncode, first.stdout, first.stderr)
+    assert first.stdout.startswith(f"unavailable: the cached library {lib} is damaged "
+                                   f"{_why(kind, good, len(damaged))}"), first.stdout
+    assert first.stdout.endswith("): set aside; `versionwatch native build` builds it again; "
+                                 "the Python predictor runs\n"), first.stdout
+    assert first.stderr == ""
+    assert not lib.exists() and lib.with_name(lib.name + ".damaged").read_bytes() == damaged
+    assert not lib.with_suffix(".record").exists()
+    again = _cli("native", "status", env=env)
+    assert again.stdout.startswith("not built: "), again.stdout
+
+
+@posix_only
+def test_a_damaged_library_is_set_aside_or_rebuilt_in_training(
+        ext: Any, tmp_path: Path, plain_results: list[str]) -> None:
+    """A truncated library killed every watched process with SIGBUS at its first
+    backward. Now: Python (auto) or the library built again (``VERSIONWATCH_NATIVE=1``),
+    the same results, one line on stderr."""
+    env, lib = _proven_cache(tmp_path)
+    good, record = lib.read_bytes(), lib.with_suffix(".record").read_bytes()
+    for value, status in (("auto", "unavailable: the cached library "), ("1", "loaded: ")):
+        lib.write_bytes(good)
+        lib.with_suffix(".record").write_bytes(record)
+        _damage("truncated", lib)
+        results, line, err = _train({**env, "VERSIONWATCH_NATIVE": value}, tmp_path)
+        assert results == plain_results, value
+        assert line.startswith(status), (value, line)
+        assert _lines(err) == [f"versionwatch: native helper: the cached library {lib} is "
+                               f"damaged (size {len(good) // 2}, expected {len(good)}): "
+                               "set aside"], (value, err)
+    assert _native_build.cached() == ("good", "")  # this process's cache: untouched
+    assert lib.read_bytes() == good  # linked again from the same objects
+
+
+@posix_only
+def test_build_command_rebuilds_a_damaged_library(ext: Any, tmp_path: Path) -> None:
+    """``native build`` said "already built" and then died of SIGBUS loading it."""
+    env, lib = _proven_cache(tmp_path)
+    good = lib.stat().st_size
+    _damage("truncated", lib)
+    out = _cli("native", "build", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    built, loaded = out.stdout.strip().splitlines()
+    assert built.startswith(f"versionwatch native: the cached library {lib} was damaged "
+                            f"(size {good // 2}, expected {good}): set aside; built "), built
+    assert loaded.startswith(f"loaded: {lib} "), loaded
+    assert lib.stat().st_size == good
+
+
+_WATCH_LIBRARY = """import os, sys, time
+from versionwatch._native import build
+lib, stop = build.library_path(), sys.argv[1]
+size, looks, seen = lib.stat().st_size, 0, set()
+while not os.path.exists(stop):
+    try:
+        seen.add("whole" if lib.stat().st_size == size else "another size")
+    except FileNotFoundError:
+        seen.add("absent")
+    looks += 1
+    time.sleep(0.002)  # a look every few ms: the builds get the processors
+print(looks, sorted(seen), build.cached())
+"""
+
+
+@posix_only
+def test_two_builds_at_once_end_with_one_good_library(ext: Any, tmp_path: Path) -> None:
+    """Two ``native build --force`` at once: both succeed, one after the other, and a
+    proven library stays in place throughout for whoever loads it meanwhile (a forced
+    build removed it first, then linked a new one in place)."""
+    env, lib = _proven_cache(tmp_path)
+    stop = tmp_path / "stop"
+    watcher = subprocess.Popen([sys.executable, "-c", _WATCH_LIBRARY, str(stop)], env=env,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        argv = [sys.executable, "-m", "versionwatch", "native", "build", "--force"]
+        builds = run_all((argv, {"env": env, "cwd": ROOT}), (argv, {"env": env, "cwd": ROOT}),
+                         timeout=600)
+    finally:
+        stop.write_text("")
+        seen, _ = watcher.communicate(timeout=60)
+    for out in builds:
+        assert out.returncode == 0, out.stdout + out.stderr
+        built, loaded = out.stdout.strip().splitlines()
+        assert built.startswith("versionwatch native: built ") and loaded.startswith("loaded: ")
+    looks, rest = seen.split(" ", 1)
+    assert int(looks) > 100 and rest.strip() == "['whole'] ('good', '')", seen
+
+
+@posix_only
+def test_two_first_use_builds_at_once(ext: Any, tmp_path: Path,
+                                      plain_results: list[str]) -> None:
+    """Two training processes with ``VERSIONWATCH_NATIVE=1`` and nothing built: one
+    builds, the other waits for it; both load it, with the same results, silently."""
+    env, lib = _proven_cache(tmp_path)
+    lib.unlink()
+    lib.with_suffix(".record").unlink()
+    env["VERSIONWATCH_NATIVE"] = "1"
+    runs = run_all(*[([sys.executable, "-c", _TRAIN], {"env": env, "cwd": tmp_path})] * 2,
+                   timeout=600)
+    for out in runs:
+        assert out.returncode == 0, out.stdout + out.stderr
+        *results, line = out.stdout.splitlines()
+        assert results == plain_results and line.startswith(f"loaded: {lib} "), line
+        assert _lines(out.stderr) == [], out.stderr
+    assert sorted(p.name for p in lib.parent.iterdir() if p.is_file()) == sorted(
+        [lib.name, lib.with_suffix(".record").name, lib.with_suffix(".lock").name])
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_build_timeout_must_be_positive_and_finite(value: str, tmp_path: Path) -> None:
+    env = _env(VERSIONWATCH_NATIVE_DIR=str(tmp_path / "cache"), CXX="/nonexistent/c++")
+    out = _cli("native", "build", "--timeout", value, env=env)
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr == ("versionwatch native build: error: --timeout: the timeout must be a "
+                          f"positive number of seconds; got {float(value):g}\n"), out.stderr
+    assert not (tmp_path / "cache").exists()
+
+
+@posix_only
+def test_a_stopped_build_names_its_log_once(tmp_path: Path, no_process_left: None) -> None:
+    env = _env(VERSIONWATCH_NATIVE_DIR=str(tmp_path / "cache"),
+               CXX=_fake_compiler(tmp_path, "sleep 600"))
+    out = _cli("native", "build", "--timeout", "4", env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "the build took over 4 s and was stopped" in out.stdout, out.stdout
+    assert out.stdout.count("(log: ") == 1 and out.stdout.count("\n") == 1, out.stdout
+
+
+@posix_only
+def test_the_command_imports_nothing_from_the_folder_it_runs_in(ext: Any,
+                                                                 tmp_path: Path) -> None:
+    """A ``json.py`` and a ``torch.py`` where the command runs: the build child
+    (``python -c``, the folder first on its path) imported them and failed."""
+    env, lib = _proven_cache(tmp_path)
+    folder = tmp_path / "project"
+    folder.mkdir()
+    for name in ("json", "torch"):
+        (folder / f"{name}.py").write_text(f"raise RuntimeError('the {name}.py of the folder')\n")
+    # The installed command's launcher: its own folder, not the caller's, on sys.path.
+    launcher = tmp_path / "bin" / "versionwatch"
+    launcher.parent.mkdir()
+    launcher.write_text("import sys\nfrom versionwatch._cli.command import main\n"
+                        "sys.exit(main())\n")
+    for args in (["native", "build", "--force"], ["native", "status"]):
+        out = subprocess.run([sys.executable, str(launcher), *args], env=env, cwd=folder,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "the json.py" not in out.stdout + out.stderr
+        assert "the torch.py" not in out.stdout + out.stderr
+        assert out.stdout.strip().splitlines()[-1].startswith(f"loaded: {lib} "), out.stdout
 
 
 # -- the helper's answers (needs it compiled) ----------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import threading
 import time
 import types
@@ -43,6 +44,9 @@ class _State:
     deciding = False
     module: types.ModuleType | None = None
     line = ""
+    # What the decision found wrong in the cache (a damaged library set aside):
+    # said once on stderr by the process it happened in, whose status line it is.
+    found = ""
     graphs = 0
 
 
@@ -57,7 +61,9 @@ def native() -> types.ModuleType | None:
     built (``VERSIONWATCH_NATIVE=auto``, the default), builds it first in a
     child process if ``VERSIONWATCH_NATIVE=1`` (minutes, once per torch), and
     runs the self-test. Call it where a pause is acceptable, e.g. when a
-    watcher starts, not inside a training step.
+    watcher starts, not inside a training step. A damaged library in the cache
+    is set aside (and rebuilt with ``VERSIONWATCH_NATIVE=1``), with one line on
+    stderr; nothing else is printed.
 
     Raises:
         ValueError: ``VERSIONWATCH_NATIVE`` has a value other than auto, 0 or 1.
@@ -69,6 +75,9 @@ def native() -> types.ModuleType | None:
     with _LOCK:
         if not _STATE.tried:
             _decide(allow_build=True)
+            if _STATE.found:
+                print(f"versionwatch: native helper: {_STATE.found}", file=sys.stderr)
+                _STATE.found = ""
     return _STATE.module
 
 
@@ -83,6 +92,7 @@ def status() -> str:
     with _LOCK:
         if not _STATE.tried:
             _decide(allow_build=False)
+        _STATE.found = ""  # said by the status line itself
         return _STATE.line
 
 
@@ -93,6 +103,7 @@ def _reset() -> None:
         _STATE.tried = False
         _STATE.module = None
         _STATE.line = ""
+        _STATE.found = ""
         _STATE.graphs = 0
 
 
@@ -105,27 +116,49 @@ def _decide(allow_build: bool) -> None:
         _STATE.deciding = False
 
 
+_PYTHON_RUNS = "the Python predictor runs"
+
+
 def _load(allow_build: bool) -> None:
     """Decide, and set ``_STATE``; ``tried`` stays False where a later call may build."""
     value = mode()
     if value == "0":
-        _done(None, f"disabled: {ENV_MODE}=0; the Python predictor runs")
+        _done(None, f"disabled: {ENV_MODE}=0; {_PYTHON_RUNS}")
         return
     try:
         lib = _native_build.library_path()
+        state, why = _native_build.cached()
+        if state == "damaged":
+            # Never loaded: a file cut short kills the process that maps it (SIGBUS).
+            outcome = _native_build.set_aside()
+            state, _ = _native_build.cached()
+            if outcome is not None:
+                _STATE.found = f"the cached library {lib} is damaged ({why}): {outcome}"
     except Exception as e:  # torch missing its version, an unreadable source...
         _done(None, f"unavailable: {type(e).__name__}: {e}")
         return
-    if not lib.exists():
+    if state == "damaged":  # still there: another build holds it, or a read-only cache
+        found = _STATE.found or f"the cached library {lib} is damaged ({why})"
+        _done(None, f"unavailable: {found}; {_PYTHON_RUNS}")
+        return
+    if state == "absent":
+        if _STATE.found and not (value == "1" and allow_build):
+            line = (f"unavailable: {_STATE.found}; `versionwatch native build` builds it "
+                    f"again; {_PYTHON_RUNS}")
+            if value == "1":  # a later call may build it
+                _STATE.line = line
+            else:
+                _done(None, line)
+            return
         failed = _native_build.failure_path()
         if value == "auto":
             _done(None, "not built: `versionwatch native build` builds it (or set "
-                        f"{ENV_MODE}=1 to build it at first use); the Python predictor runs")
+                        f"{ENV_MODE}=1 to build it at first use); {_PYTHON_RUNS}")
             return
-        if failed.exists():
+        if os.path.exists(failed):  # False, not an error, in a folder we cannot read
             why = failed.read_text(encoding="utf-8", errors="replace").strip()
             _done(None, f"unavailable: the last build failed: {why}; "
-                        "`versionwatch native build` tries again; the Python predictor runs")
+                        f"`versionwatch native build` tries again; {_PYTHON_RUNS}")
             return
         if not allow_build:
             _STATE.line = (f"not built yet: {ENV_MODE}=1 builds it at first use "
@@ -133,14 +166,14 @@ def _load(allow_build: bool) -> None:
             return
         result = _native_build.build()
         if not result.ok:
-            _done(None, f"unavailable: the build failed: {result.line}; "
-                        "the Python predictor runs")
+            log = f" (log: {result.log})" if result.log else ""
+            _done(None, f"unavailable: the build failed: {result.line}{log}; {_PYTHON_RUNS}")
             return
     try:
         ext = _import(lib)
     except Exception as e:
         _done(None, f"unavailable: {lib.name} does not load: {type(e).__name__}: {e}; "
-                    "the Python predictor runs")
+                    f"{_PYTHON_RUNS}")
         return
     fault = os.environ.get(FAULT_ENV, "")
     ext._set_fault(1 if fault == "clean" else 0)
@@ -150,7 +183,7 @@ def _load(allow_build: bool) -> None:
     mismatch, graphs = _native_selftest.run(ext)
     took = (time.perf_counter() - start) * 1e3
     if mismatch is not None:
-        _done(None, f"disabled: the self-test failed: {mismatch}; the Python predictor runs")
+        _done(None, f"disabled: the self-test failed: {mismatch}; {_PYTHON_RUNS}")
         return
     _STATE.graphs = graphs
     _done(ext, f"loaded: {lib} (self-test passed on {graphs} graphs in {took:.0f} ms)")
@@ -180,7 +213,8 @@ def command(action: str, timeout: float = _native_build.DEFAULT_TIMEOUT,
     ``build`` builds (or finds built) the extension, then loads it and runs the
     self-test as a training process would, and prints :func:`status`: 0 if it
     loaded, 1 if not. ``status`` prints the line and exits 0. A bad
-    ``VERSIONWATCH_NATIVE`` exits 2.
+    ``VERSIONWATCH_NATIVE``, or a timeout that is not a positive number of
+    seconds, exits 2.
     """
     try:
         mode()
@@ -190,9 +224,13 @@ def command(action: str, timeout: float = _native_build.DEFAULT_TIMEOUT,
     if action == "status":
         print(status())
         return 0
+    problem = _native_build.timeout_problem(timeout)
+    if problem is not None:
+        print(f"versionwatch native build: error: --timeout: {problem}", file=sys.stderr)
+        return 2
     try:
         result = _native_build.build(timeout, force=force, verbose=verbose)
-    except Exception as e:  # no torch version, an unwritable cache directory...
+    except Exception as e:  # no torch version, an unreadable source...
         print(f"versionwatch native: the build could not start: {type(e).__name__}: {e}")
         return 1
     if not result.ok:
