@@ -71,6 +71,13 @@ MODEL = textwrap.dedent("""\
 LAUNCHER = "import sys\nfrom versionwatch._cli.command import main\nsys.exit(main())\n"
 
 
+
+def said_after_where(stderr: str) -> list[str]:
+    """fix's stderr lines after its first, which says where the runs happen."""
+    where, *lines = stderr.strip().splitlines()
+    assert where.startswith("versionwatch fix: every run of the program happens in "), where
+    return lines
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
@@ -135,7 +142,7 @@ def test_a_program_that_read_its_empty_stdin_is_said_to(tmp_path: Path) -> None:
     assert "modified by an inplace operation" in plain.stderr
     done = versionwatch(tmp_path, "fix", "train.py", cwd=tmp_path, stdin="3\n")
     assert done.returncode == 0, done.stderr
-    lines = done.stderr.strip().splitlines()
+    lines = said_after_where(done.stderr)
     assert lines[0] == ("versionwatch fix: no hazard seen (0 backward(s) ran), but "
                         "versionwatch fix did not follow all the program did:"), done.stderr
     assert "the program read its standard input, which versionwatch fix does not pass" \
@@ -171,7 +178,7 @@ def test_a_forked_training_is_said_not_followed(tmp_path: Path, how: str) -> Non
     assert plain.returncode == 0 and "modified by an inplace operation" in plain.stderr
     done = versionwatch(tmp_path, "fix", "train.py", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    lines = done.stderr.strip().splitlines()
+    lines = said_after_where(done.stderr)
     assert lines[0] == ("versionwatch fix: no hazard seen (0 backward(s) ran in the main "
                         "process), but versionwatch fix did not follow all the program did:"
                         ), done.stderr
@@ -188,8 +195,8 @@ def test_a_fork_that_runs_no_backward_is_no_matter(tmp_path: Path) -> None:
         train(1)
     """))
     done = versionwatch(tmp_path, "fix", "train.py", cwd=tmp_path)
-    assert (done.returncode, done.stderr) == (
-        0, "versionwatch fix: no hazard (2 backward(s) ran); nothing to fix\n")
+    assert (done.returncode, said_after_where(done.stderr)) == (
+        0, ["versionwatch fix: no hazard (2 backward(s) ran); nothing to fix"])
 
 
 def test_a_training_on_a_thread_says_what_the_check_could_not_run(tmp_path: Path) -> None:
