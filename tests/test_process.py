@@ -165,3 +165,32 @@ def test_environment_puts_this_versionwatch_first(tmp_path: Path,
     assert os.path.samefile(found.stdout.strip(), versionwatch.__file__)
     # The parent's own environment is left as it was.
     assert os.environ["PYTHONPATH"] == str(tmp_path)
+
+
+def test_a_child_tied_by_its_pipe_ends_with_its_group_when_the_parent_is_killed(
+        no_process_left: None) -> None:
+    # P starts C tied to it by a pipe alone (as `versionwatch fix --fresh` ties a run);
+    # C starts a sleep G in its group. P is killed: C's thread sees the pipe close and
+    # kills C's group, G with it (PR_SET_PDEATHSIG would kill C alone, first).
+    child = ("import os, subprocess, sys, time\n"
+             "from versionwatch._process import tie_to_parent\n"
+             "tie_to_parent(int(sys.argv[1]), int(sys.argv[2]), pdeathsig=False)\n"
+             "p = subprocess.Popen(['sleep', '60'])\n"
+             "print(os.getpid(), p.pid, flush=True)\n"
+             "time.sleep(60)\n")
+    parent = ("import os, sys, time\n"
+              "from versionwatch._process import environment, start\n"
+              "r, w = os.pipe()\n"
+              f"start([sys.executable, '-c', {child!r}, str(os.getpid()), str(r)],\n"
+              "      pass_fds=(r,), env=environment())\n"
+              "os.close(r)\n"
+              "time.sleep(60)\n")
+    proc = start([sys.executable, "-c", parent], env=environment(), stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    c, g = (int(x) for x in proc.stdout.readline().split())
+    proc.stdout.close()
+    assert _alive(c) and _alive(g) and os.getpgid(g) == c != proc.pid
+    os.kill(proc.pid, signal.SIGKILL)
+    assert end(proc) == -signal.SIGKILL
+    assert _gone(c), "the tied child outlived its parent"
+    assert _gone(g), "what the tied child started outlived its parent"

@@ -215,7 +215,7 @@ def tie_to_parent(parent: int, death_fd: int, pdeathsig: bool = True) -> None:
         except (OSError, AttributeError):
             pass  # the pipe below still ties us
     thread = threading.Thread(target=_await_parent, args=(death_fd,), daemon=True,
-                              name="versionwatch-replay-parent")
+                              name="versionwatch-parent")
     thread.start()
     if os.getppid() != parent:  # it died before the tie was made: nothing would tell us
         signal_group(os.getpgrp())

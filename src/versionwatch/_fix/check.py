@@ -35,16 +35,19 @@ import base64
 import json
 import os
 import pickle
+import signal
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from versionwatch._candidates import Candidate, decode_source, line_map, shown
-from versionwatch._fix.server import ForkServer
+from versionwatch._fix.server import GRACE, ForkServer
 from versionwatch._fix.workspace import Run as Place
-from versionwatch._process import end, environment, python_module, start, wait
+from versionwatch._process import end, environment, python_module, start, terminate, wait
 from versionwatch._report import Report
 
 
@@ -87,54 +90,125 @@ class Run:
         return report if isinstance(report, Report) else None
 
 
+# What a run's stderr keeps at most, its end: a program may write hundreds of MB.
+STDERR_TAIL = 64 * 1024
+
+
+class Flight:
+    """The runs of one ``fix()`` in flight, to end them all at once (Ctrl-C, SIGTERM).
+
+    :func:`run_child` registers each run's stop while it runs; :meth:`stop`
+    stops every one (SIGTERM to its group, SIGKILL after the grace) and waits
+    until they have ended, and no run starts after it.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.live: dict[int, Callable[[], threading.Event]] = {}
+        self.stopped: int | None = None  # how many runs stop() found running
+
+    def add(self, key: int, stop: Callable[[], threading.Event]) -> bool:
+        """Register a run's stop; False once :meth:`stop` ran (the run must not start)."""
+        with self.lock:
+            if self.stopped is not None:
+                return False
+            self.live[key] = stop
+            return True
+
+    def remove(self, key: int) -> None:
+        with self.lock:
+            self.live.pop(key, None)
+
+    def stop(self) -> int:
+        """End every run in flight and wait for them: how many were running."""
+        with self.lock:
+            if self.stopped is not None:
+                return self.stopped
+            stops = list(self.live.values())
+            self.stopped = len(stops)
+        events = [stop() for stop in stops]
+        for event in events:
+            event.wait(GRACE + 5)
+        return self.stopped
+
+
+def _terminating(proc: subprocess.Popen[bytes]) -> threading.Event:
+    """A run of its own interpreter stopped from another thread: SIGTERM, the grace, SIGKILL."""
+    done = threading.Event()
+
+    def stop() -> None:
+        terminate(proc, GRACE)
+        done.set()
+
+    threading.Thread(target=stop, daemon=True, name="versionwatch-stop").start()
+    return done
+
+
+def _tail(path: str) -> str:
+    """The last :data:`STDERR_TAIL` bytes of a run's stderr, read from its end."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - STDERR_TAIL))
+            data = f.read(STDERR_TAIL)
+    except OSError:
+        return ""
+    if size > STDERR_TAIL:  # cut inside a line: from the next whole one
+        data = data.partition(b"\n")[2]
+    return data.decode(errors="replace")
+
+
 def run_child(program: list[str], *, scratch: dict[str, str] | None = None,
               watch: str = "default", allow_mutation: bool = False,
               stop_after: int | None = None, record_upto: int = 0, grads_upto: int = 0,
               grads_at: tuple[int, ...] = (), timeout: float = 120.0,
               workdir: str | None = None, server: ForkServer | None = None,
               ledger: bool = False, on_hazard: str = "raise",
-              where: Place | None = None) -> Run:
+              where: Place | None = None, flight: Flight | None = None) -> Run:
     """Run ``program`` (``["script.py", ...]``, ``["-m", mod, ...]``, ``["-c", code, ...]``).
 
     ``where``: the run's copy of the user's folders (:mod:`versionwatch._fix.workspace`):
     the program runs there, its code named by the user's paths; default: in place.
+    ``flight``: where the run can be stopped from another thread; a run asked for
+    after its ``stop()`` does not start (status ``died``). A run past its
+    ``timeout`` is stopped as Ctrl-C would stop it, and has :data:`GRACE` s to clean up.
     """
     own = workdir is None
     folder = workdir or tempfile.mkdtemp(prefix="versionwatch-fix-")
+    key = object()
     try:
         fd, spec_path = tempfile.mkstemp(dir=folder, suffix=".json")
         out = spec_path[:-5] + ".pt"
+        tmp = tempfile.mkdtemp(dir=folder, prefix="tmp")  # the program's TMPDIR
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"argv": program, "scratch": scratch or {}, "watch": watch,
                        "allow_mutation": allow_mutation, "stop_after": stop_after,
                        "record_upto": record_upto, "grads_upto": grads_upto,
-                       "grads_at": list(grads_at), "out": out,
+                       "grads_at": list(grads_at), "out": out, "tmp": tmp,
                        "cwd": where.cwd if where is not None else os.getcwd(),
                        "mirror": where.mirror if where is not None else [],
                        "ledger": ledger, "on_hazard": on_hazard}, f)
         err_path = spec_path[:-5] + ".err"
         began = time.monotonic()
-        answer = server.run(spec_path, err_path, timeout) if server is not None else None
+        if flight is not None and flight.stopped is not None:
+            return Run("died", exit=-signal.SIGTERM)
+
+        def started(stop: Callable[[], threading.Event]) -> None:
+            if flight is not None and not flight.add(id(key), stop):
+                stop()  # everything was stopped as this run started: it too
+
+        answer = server.run(spec_path, err_path, timeout, started) if server is not None \
+            else None
         if answer is not None:
             code, timed_out = answer
         else:
-            with open(err_path, "wb") as err:
-                proc = start([*python_module("versionwatch._fix.child"), spec_path],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                             env=environment())
-                try:
-                    timed_out = not wait(proc, timeout)
-                finally:
-                    # The child and whatever it started (its own group), and reaped.
-                    code = end(proc)
+            code, timed_out = _run_fresh(spec_path, err_path, timeout, started,
+                                         flight.stop if flight is not None else None)
         seconds = time.monotonic() - began
-        stderr = ""
-        if os.path.exists(err_path):
-            with open(err_path, "rb") as f:
-                stderr = f.read().decode(errors="replace")
-        if timed_out:
-            return Run("timeout", exit=-1, stderr=stderr, seconds=seconds)
-        if not os.path.exists(out):
+        stderr = _tail(err_path)
+        if not os.path.exists(out):  # a record is whole (os.replace): the run got there
+            if timed_out:
+                return Run("timeout", exit=-1, stderr=stderr, seconds=seconds)
             return Run("died", exit=code, stderr=stderr, seconds=seconds)
         import torch
 
@@ -143,9 +217,51 @@ def run_child(program: list[str], *, scratch: dict[str, str] | None = None,
         run = Run(**{k: v for k, v in data.items() if k in keys})
         run.stderr, run.seconds = stderr, seconds
         return run
+    except BaseException:
+        if flight is not None:  # interrupted (Ctrl-C) while it ran: it and the others end
+            flight.stop()
+        raise
     finally:
+        if flight is not None:
+            flight.remove(id(key))
         if own:
             _rmtree(folder)
+
+
+def _run_fresh(spec_path: str, err_path: str, timeout: float,
+               started: Callable[[Callable[[], threading.Event]], None],
+               stop_all: Callable[[], int] | None) -> tuple[int, bool]:
+    """The run in a new interpreter (``--fresh``, or the fork server refused): its exit
+    status, and whether it timed out. Tied to this process by a pipe: it dies with it.
+    Interrupted, it stops every run of ``stop_all`` (this one too) before it kills
+    what is left of this one."""
+    death_r, death_w = os.pipe()
+    try:
+        with open(err_path, "wb") as err:
+            proc = start([*python_module("versionwatch._fix.child"), spec_path,
+                          "--tie", f"{os.getpid()}:{death_r}"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                         env=environment(), pass_fds=(death_r,))
+        os.close(death_r)
+        death_r = -1
+        try:
+            started(lambda: _terminating(proc))
+            timed_out = not wait(proc, timeout)
+            if timed_out:
+                terminate(proc, GRACE)  # its cleanup gets its say, briefly
+        except BaseException:  # Ctrl-C: the same say for every run, at once
+            if stop_all is not None:
+                stop_all()
+            terminate(proc, GRACE)
+            raise
+        finally:
+            # The child and whatever it started (its own group), and reaped.
+            code = end(proc)
+    finally:
+        for fd in (death_r, death_w):
+            if fd != -1:
+                os.close(fd)
+    return code, timed_out
 
 
 def _rmtree(path: str) -> None:

@@ -11,8 +11,13 @@ parameters the backward reaches, whether it reaches a parameter through a node
 made before an optimizer step changed that parameter (a *stale* gradient), and
 the parameters' ``.grad`` after it. It stops after backward ``stop_after``, or
 at the first backward that raises (a watcher's prediction, or PyTorch's own
-error), and writes the record with ``torch.save``, then leaves at once
-(``os._exit``: no ``finally`` of the program, no ``atexit``).
+error), and writes the record with ``torch.save``; then it ends the program as
+Ctrl-C would: an exception (:class:`Stop`, a ``KeyboardInterrupt``) raised at
+that point unwinds it, so that its ``finally`` blocks, ``with`` exits and
+``atexit`` run in its scratch copy (a lock file removed, workers joined), within
+:data:`GRACE` seconds, after which the run leaves at once (``os._exit``). A
+SIGTERM (the run's time limit, ``fix`` interrupted) ends it the same way,
+before its parent's SIGKILL to its group after the same grace.
 
 The tracker wraps ``torch.autograd.backward`` and ``torch.autograd.grad``
 (``Tensor.backward`` calls the first) *after* the watcher installed its own
@@ -38,8 +43,11 @@ import linecache
 import os
 import pickle
 import runpy
+import signal
 import sys
+import tempfile
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Sequence
@@ -108,6 +116,52 @@ class _Mirror:
 
 
 MIRROR = _Mirror([])
+
+# How long the program's own cleanup may take once its run is over (the record
+# written): its ``finally`` blocks, threads and ``atexit``; then it is cut.
+GRACE = 5.0
+
+
+class Stop(KeyboardInterrupt):
+    """The run is over: raised in the program where it stopped, to unwind it as Ctrl-C would.
+
+    A ``KeyboardInterrupt``: no ``except Exception`` of the program takes it for
+    its own error, and what it does on Ctrl-C (a checkpoint saved, workers
+    joined) it does here. ``code``: the run's exit status.
+    """
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _cut_after(seconds: float, code: int) -> None:
+    """Leave after ``seconds`` whatever the program's cleanup is doing (a daemon thread)."""
+    def cut() -> None:
+        time.sleep(seconds)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    threading.Thread(target=cut, daemon=True, name="versionwatch-grace").start()
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (a time limit, ``fix`` interrupted) raises :class:`Stop` in the run's
+    main thread; a fork of the run (a multiprocessing worker) dies of it as it would
+    without us."""
+    run = os.getpid()
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != run:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        _cut_after(GRACE, 128 + signum)
+        raise Stop(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 class _CopyLoader(importlib.abc.Loader):
@@ -471,6 +525,7 @@ class Tracker:
         self.grad_seen: dict[int, tuple[int, int]] = {}
         self.params_before: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.result: dict[str, Any] = {}
+        self.finished = False
         # A scratch copy's lines stand for the original file's, in the record.
         self.back = {v: k for k, v in scratch.items()}
         # A process the program forked: what it runs is not followed (see install).
@@ -609,6 +664,8 @@ class Tracker:
             if self.forked:
                 self._fork_backward()
                 return inner(*args, **kwargs)
+            if self.finished:  # the program took the Stop for its own, and went on
+                raise Stop(0)
             if getattr(self.local, "depth", 0) or is_compiling():
                 return inner(*args, **kwargs)
             roots = args[at] if len(args) > at else kwargs.get(first)
@@ -764,6 +821,8 @@ class Tracker:
     def fail(self, k: int, err: BaseException) -> NoReturn:
         from versionwatch._report import FreedGraphError, InplaceModificationError
 
+        if self.finished:  # an error of the program's cleanup: the record is written
+            raise Stop(0)
         r = self.result = {"status": "failed", "exit": 1, "failed_at": k,
                            "error": _one_line(err), "ours": False}
         report = getattr(err, "report", None)
@@ -798,6 +857,8 @@ class Tracker:
     def error(self, err: BaseException) -> NoReturn:
         from versionwatch._report import FreedGraphError, InplaceModificationError
 
+        if self.finished:  # an error of the program's cleanup: the record is written
+            raise Stop(0)
         tb = traceback.extract_tb(err.__traceback__)
         if isinstance(err, (InplaceModificationError, FreedGraphError)) and getattr(
                 err, "report", None) is not None:
@@ -831,11 +892,15 @@ class Tracker:
         self.finish("error", 1)
 
     def finish(self, status: str, code: int) -> NoReturn:
+        """Write the record (once), then end the program: :class:`Stop` from here."""
         if self.forked:  # a process the program forked: the run's record is not its to write
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
             os._exit(code)
+        if self.finished:  # the program took the Stop for its own, and went on
+            raise Stop(0)
+        self.finished = True
         self.result.setdefault("status", status)
         self.result.setdefault("exit", code)
         self.result["backwards"] = self.n
@@ -858,10 +923,9 @@ class Tracker:
             self.result["record_error"] = repr(e)
             torch.save(self.result, tmp)
         os.replace(tmp, self.out)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(0)
+        # The record is whole: whatever the program's cleanup does, within the grace.
+        _cut_after(GRACE, 0)
+        raise Stop(0)
 
 
 class _NotedStdin(io.RawIOBase):
@@ -918,8 +982,26 @@ def _run_main(argv0: str, scratch: dict[str, str]) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
+    """Run the program of ``argv[0]`` (a spec, JSON), record it; the run's exit status.
+
+    ``--tie PID:FD`` after it (a run in a new interpreter): die with ``fix``,
+    process ``PID``, with its whole group, when the pipe ``FD`` closes.
+    """
+    if argv[1:2] == ["--tie"]:
+        from versionwatch._process import tie_to_parent
+
+        parent, fd = argv[2].split(":")
+        # The pipe alone: PR_SET_PDEATHSIG would kill this process first, and
+        # leave what the program started running.
+        tie_to_parent(int(parent), int(fd), pdeathsig=False)
+    _stop_on_sigterm()
     with open(argv[0], encoding="utf-8") as f:
         spec = json.load(f)
+    if spec.get("tmp"):
+        # The program's temporary files in the run's folder, which fix removes
+        # whatever ends it.
+        os.environ["TMPDIR"] = spec["tmp"]
+        tempfile.tempdir = None
     if spec.get("cwd"):
         os.chdir(spec["cwd"])  # a fork server's run: the program's working directory
     MIRROR.pairs = _Mirror(spec.get("mirror") or []).pairs
@@ -959,29 +1041,35 @@ def main(argv: Sequence[str]) -> int:
     if spec.get("allow_mutation"):
         context = torch.autograd.graph.allow_mutation_on_saved_tensors()
     try:
-        with context:
-            if program[0] == "-m":
-                runpy.run_module(program[1], run_name="__main__", alter_sys=True)
-            elif program[0] == "-c":
-                code = compile(program[1], spec.get("filename", "<string>"), "exec",
-                               dont_inherit=True)
-                main_module = ModuleType("__main__")
-                main_module.__dict__["__builtins__"] = __builtins__
-                sys.modules["__main__"] = main_module
-                exec(code, main_module.__dict__)
-            else:
-                _run_main(program[0], scratch)
-    except SystemExit as e:
-        code_ = e.code
-        # int() of an IntEnum (pytest.ExitCode): the record holds plain data only
-        status = int(code_) if isinstance(code_, int) else (0 if code_ is None else 1)
-        tracker.result = {"status": "exited" if status else "completed", "exit": status}
-        tracker.finish("exited", status)
-    except BaseException as e:
-        tracker.error(e)
-    del watcher
-    tracker.finish("completed", 0)
-    return 0
+        try:
+            with context:
+                if program[0] == "-m":
+                    runpy.run_module(program[1], run_name="__main__", alter_sys=True)
+                elif program[0] == "-c":
+                    code = compile(program[1], spec.get("filename", "<string>"), "exec",
+                                   dont_inherit=True)
+                    main_module = ModuleType("__main__")
+                    main_module.__dict__["__builtins__"] = __builtins__
+                    sys.modules["__main__"] = main_module
+                    exec(code, main_module.__dict__)
+                else:
+                    _run_main(program[0], scratch)
+        except Stop:
+            raise
+        except SystemExit as e:
+            code_ = e.code
+            # int() of an IntEnum (pytest.ExitCode): the record holds plain data only
+            status = int(code_) if isinstance(code_, int) else (0 if code_ is None else 1)
+            if not tracker.finished:
+                tracker.result = {"status": "exited" if status else "completed",
+                                  "exit": status}
+            tracker.finish("exited", status)
+        except BaseException as e:
+            tracker.error(e)
+        del watcher
+        tracker.finish("completed", 0)
+    except Stop as stop:
+        return stop.code
 
 
 if __name__ == "__main__":

@@ -17,14 +17,17 @@ with its side effects. Nothing of the user's is written but by ``--apply``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
-import tempfile
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
+from types import FrameType
 from typing import Any
 
 from versionwatch._candidates import (
@@ -37,7 +40,7 @@ from versionwatch._candidates import (
     shown,
 )
 from versionwatch._fix.apply import apply_patch
-from versionwatch._fix.check import Run, judge, run_child, usable, write_scratch
+from versionwatch._fix.check import Flight, Run, judge, run_child, usable, write_scratch
 from versionwatch._fix.server import ForkServer
 from versionwatch._fix.workspace import Workspace
 from versionwatch._report import Fix, Report
@@ -96,6 +99,18 @@ class FixResult:
         self.report = report
 
 
+class Interrupted(KeyboardInterrupt):
+    """``fix()`` was interrupted (Ctrl-C; SIGTERM under ``versionwatch fix``).
+
+    Raised once every run in flight has ended and every temporary file is gone.
+    ``stopped``: how many runs were stopped; ``signum``: the signal.
+    """
+
+    def __init__(self, stopped: int = 0, signum: int = signal.SIGINT) -> None:
+        super().__init__(stopped, signum)
+        self.stopped, self.signum = stopped, signum
+
+
 def _program_file(program: list[str]) -> str | None:
     """The main script's path, or ``None`` for ``-m``/``-c``/stdin."""
     if program[0] in ("-m", "-c"):
@@ -150,31 +165,42 @@ def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: i
         return FixResult("too_big", 2, notes=[problem])
     say = progress or (lambda line: None)
     own = server is None and not fresh and hasattr(os, "fork")
-    if own:
-        server = ForkServer()
+    flight = Flight()
     try:
+        if own:
+            server = ForkServer()
         say(workspace.describe())
         result = _fix(program, facts, check_steps, timeout, jobs, sources, server, workspace,
-                      say)
+                      say, flight)
         result.fill_report()
         return result
+    except KeyboardInterrupt as e:
+        # Ctrl-C (or SIGTERM, as the command turns it into one): every run in
+        # flight ends now, not at its time limit, before its folder goes.
+        raise Interrupted(flight.stop(), getattr(e, "signum", signal.SIGINT)) from None
     finally:
-        workspace.close()
+        flight.stop()
         if own and server is not None:
-            server.close()
+            server.close()  # what still runs on it is killed
+        workspace.close()
 
 
 def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: float,
          jobs: int, sources: dict[str, str] | None, server: ForkServer | None,
-         workspace: Workspace, say: Callable[[str], None]) -> FixResult:
+         workspace: Workspace, say: Callable[[str], None], flight: Flight) -> FixResult:
     def run(**kw: Any) -> Run:
         # Each run in its own fresh copy of the user's folders, as they were at the start.
         place = workspace.fresh()
+        own = "workdir" not in kw
+        if own:
+            kw["workdir"] = workspace.temp()
         try:
             return run_child(program, timeout=timeout, server=server, ledger=True, where=place,
-                             **kw)
+                             flight=flight, **kw)
         finally:
             workspace.done(place)
+            if own:
+                shutil.rmtree(kw["workdir"], ignore_errors=True)
 
     original = run(watch="strict", record_upto=_RECORD_UPTO, grads_upto=_GRADS_UPTO)
     if original.status in ("completed", "stopped") or (
@@ -233,7 +259,7 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
     mode = "strict" if facts.kind == "silent" else "default"
 
     def check(c: Candidate) -> None:
-        folder = tempfile.mkdtemp(prefix="versionwatch-fix-")
+        folder = workspace.temp()
         try:
             scratch = write_scratch(c, folder)
             done = run(scratch=scratch, watch=mode, stop_after=failing + check_steps,
@@ -244,8 +270,14 @@ def _fix(program: list[str], facts: FixFacts | None, check_steps: int, timeout: 
             shutil.rmtree(folder, ignore_errors=True)
 
     if jobs > 1 and len(candidates) > 1:
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
+        pool = ThreadPoolExecutor(max_workers=jobs)
+        try:
             list(pool.map(check, candidates))
+        except BaseException:
+            flight.stop()  # the checks in flight end now, not at their time limit
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
     else:
         for c in candidates:
             check(c)
@@ -537,6 +569,10 @@ _VALUED = {"--check-steps", "--timeout", "--jobs", "--json", "--facts"}
 _FLAGS = {"--apply", "--force", "--fresh", "--in-place", "-h", "--help"}
 
 
+# A run's time limit at most: a week (a limit past what a wait can wait is none).
+_MAX_TIMEOUT = 7 * 24 * 3600.0
+
+
 class _Usage(Exception):
     pass
 
@@ -578,8 +614,9 @@ def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
                     opts[key] = float(value)
                 except ValueError:
                     raise _Usage(f"{name} takes seconds, not {value!r}") from None
-                if opts[key] <= 0:
-                    raise _Usage(f"{name} takes a positive number of seconds")
+                if not 0 < opts[key] <= _MAX_TIMEOUT:  # nan, inf: no time limit at all
+                    raise _Usage(f"{name} takes a positive number of seconds, at most "
+                                 f"{_MAX_TIMEOUT:.0f} (a week), not {value!r}")
             else:
                 opts[key] = value
             i += 1
@@ -590,11 +627,56 @@ def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     return opts, []
 
 
+@contextlib.contextmanager
+def _interruptible() -> Iterator[Callable[[], None]]:
+    """Ctrl-C and SIGTERM raise :class:`Interrupted` (the one call's, on the main thread).
+
+    A second signal while the first one's cleanup runs is ignored: the runs are
+    being stopped. The context's value disarms it: once ``fix()`` has returned,
+    what is left (printing, ``--apply``, ``--json``) takes moments, and is not
+    cut half-written.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    armed = [True]
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise Interrupted(0, signum)
+
+    def disarm() -> None:
+        armed[0] = False
+
+    before = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield disarm
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: Sequence[str], *, server: ForkServer | None = None) -> int:
     """``versionwatch fix ...``: returns the exit status.
 
     ``server``: a fork server to run on (tests share one); ``--fresh`` ignores it.
+    Ctrl-C or SIGTERM stops every run, removes every temporary file, says so in
+    one line and returns 130 or 143 (128 + the signal), nothing written.
     """
+    try:
+        with _interruptible() as disarm:
+            return _main(argv, server, disarm)
+    except KeyboardInterrupt as e:
+        stopped = e.stopped if isinstance(e, Interrupted) else 0
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        runs = "check run" if stopped == 1 else "check runs"
+        print(f"versionwatch fix: interrupted; {stopped} {runs} stopped, nothing written",
+              file=sys.stderr)
+        return 128 + signum
+
+
+def _main(argv: Sequence[str], server: ForkServer | None, disarm: Callable[[], None]) -> int:
     try:
         opts, program = _parse(argv)
         if opts.get("help"):
@@ -621,6 +703,7 @@ def main(argv: Sequence[str], *, server: ForkServer | None = None) -> int:
                  in_place=opts["in_place"],
                  progress=lambda line: print(f"versionwatch fix: {line}", file=sys.stderr,
                                              flush=True))
+    disarm()
     if opts["apply"] and result.status == "checked":
         if result.verified:
             problem = apply_patch(result.verified[0], force=opts["force"], notes=result.notes)

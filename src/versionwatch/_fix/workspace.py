@@ -13,6 +13,12 @@ caches) are linked, not copied. Where the rest is over :data:`LIMIT_BYTES` or
 :data:`LIMIT_FILES`, a copy per run would cost too much: :func:`Workspace.plan`
 says so, and ``versionwatch fix --in-place`` runs the checks in the user's own
 folder instead (with their side effects, as the program would have them).
+
+All of a ``fix``'s temporary files (the copies, each run's spec, record and
+``TMPDIR``, the candidates' scratch files) are in one folder, which
+:meth:`Workspace.close` removes; a small process of its own (the *janitor*,
+``python -m versionwatch._fix.workspace``) removes it when ``fix`` dies without
+closing it (SIGKILL): it waits on a pipe whose only write end ``fix`` holds.
 """
 
 from __future__ import annotations
@@ -20,8 +26,13 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
+
+from versionwatch._process import end, environment, python_module, start, wait
 
 # A copy per run: what ``fix`` copies at most without --in-place (documented in
 # docs/fix.md). Most training folders hold code and a few small files; one that
@@ -62,6 +73,8 @@ class Workspace:
     size: int = 0
     _runs: int = 0
     _made: list[str] = field(default_factory=list)
+    _janitor: subprocess.Popen[bytes] | None = None
+    _death_w: int = -1
 
     @classmethod
     def for_program(cls, program: list[str], in_place: bool = False) -> Workspace:
@@ -111,12 +124,29 @@ class Workspace:
                 f"({self.files} file(s), {_size(self.size)}) under {self.folder}; "
                 "nothing of yours is written but by --apply")
 
+    def _root(self) -> str:
+        """The folder of all temporary files, made once, with its janitor."""
+        if not self.folder:
+            self.folder = tempfile.mkdtemp(prefix="versionwatch-fix-")
+            death_r, self._death_w = os.pipe()
+            try:
+                self._janitor = start([*python_module("versionwatch._fix.workspace"),
+                                       str(death_r), self.folder],
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      env=environment(), pass_fds=(death_r,))
+            finally:
+                os.close(death_r)
+        return self.folder
+
+    def temp(self) -> str:
+        """A new folder for one run's files (its spec, record, TMPDIR; a candidate's scratch)."""
+        return tempfile.mkdtemp(dir=self._root(), prefix="t")
+
     def open(self) -> None:
         """Take the snapshot (once, before the first run)."""
-        if self.in_place or self.folder:
+        if self.in_place or self.snapshot:
             return
-        self.folder = tempfile.mkdtemp(prefix="versionwatch-fix-")
-        self.snapshot = os.path.join(self.folder, "snapshot")
+        self.snapshot = os.path.join(self._root(), "snapshot")
         for root in self.roots:
             _copy(root, os.path.join(self.snapshot, os.path.relpath(root, self.base)),
                   os.path.realpath(self.folder))
@@ -145,9 +175,17 @@ class Workspace:
                 self._made.remove(top)
 
     def close(self) -> None:
+        """Remove every temporary file, and end the janitor."""
         if self.folder:
             _remove(self.folder)
-            self.folder = ""
+            self.folder = self.snapshot = ""
+        if self._death_w != -1:
+            os.close(self._death_w)  # the janitor finds nothing left, and exits
+            self._death_w = -1
+        if self._janitor is not None:
+            wait(self._janitor, 10)
+            end(self._janitor)
+            self._janitor = None
 
 
 def _size(n: int) -> str:
@@ -202,3 +240,23 @@ def _remove(path: str) -> None:
             except OSError:
                 pass
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _janitor(fd: int, folder: str) -> None:
+    """Remove ``folder`` once the pipe ``fd`` closes: ``fix`` is done, or dead.
+
+    Again, a while: the runs that wrote there are being killed as it starts.
+    """
+    try:
+        while os.read(fd, 64):
+            pass
+    except OSError:
+        pass
+    deadline = time.monotonic() + 30
+    while os.path.lexists(folder) and time.monotonic() < deadline:
+        _remove(folder)
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    _janitor(int(sys.argv[1]), sys.argv[2])
