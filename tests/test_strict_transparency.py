@@ -152,6 +152,40 @@ def test_in_place_write_through_data_after_a_vetoed_step_is_reported(write: str)
     assert len(hz.modified_by) == 1 and "no version bump" in hz.modified_by[0].description
 
 
+@pytest.mark.parametrize("how", ["closure", "bad group", "sparse grad"])
+def test_data_write_after_a_step_that_raised_inside_is_reported(how: str):
+    """A step that raised inside its body (its closure, a param group made invalid, a
+    gradient it refuses), caught: a critic's ``p.data.mul_(0.5)`` after it is seen."""
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt = (torch.optim.Adam if how == "sparse grad" else torch.optim.SGD)(
+        critic.parameters(), lr=0.1)
+
+    def closure() -> None:
+        raise ValueError("the closure failed")
+
+    with versionwatch.watch(critic, opt, strict=True, on_hazard="raise"):
+        critic(torch.randn(3, 2)).sum().backward()  # gradients for the step
+        out = critic(torch.randn(3, 2)).mean()
+        with pytest.raises((ValueError, TypeError, RuntimeError)):
+            if how == "closure":
+                opt.step(closure)
+            elif how == "bad group":
+                opt.param_groups[0]["lr"] = None
+                opt.step()
+            else:
+                w = critic[2].weight
+                w.grad = w.grad.to_sparse()  # Adam does not support sparse gradients
+                opt.step()
+        for p in critic.parameters():
+            p.data.mul_(0.5)  # bumps no version: backward would read the new weights
+        with pytest.raises(versionwatch.InplaceModificationError) as info:
+            out.backward()
+    (hz,) = info.value.report.hazards
+    assert hz.kind == "silent"
+    assert hz.modified_by[-1].description == "mul_() (no version bump)"
+
+
 def test_strict_memory_stays_flat_with_a_frozen_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """3,000 strict steps of a model whose first layer is frozen (saved every step,
     never written): what versionwatch's own code keeps does not grow with the steps.
