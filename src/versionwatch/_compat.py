@@ -427,8 +427,8 @@ def _module_call_hooks() -> tuple[dict[Any, Any], ...] | None:
            "_get_tracing_state", "forward"}
     if not (own | set(names)) <= code_names:
         return None
-    found = [getattr(module, n, None) for n in names]
-    return tuple(found) if all(isinstance(d, dict) for d in found) else None
+    found = [d for n in names if isinstance(d := getattr(module, n, None), dict)]
+    return tuple(found) if len(found) == len(names) else None
 
 
 MODULE_CALL_HOOKS = _module_call_hooks()

@@ -23,7 +23,6 @@ from torch import nn
 from torch.autograd.graph import Node
 
 from versionwatch._built import built_at
-from versionwatch._compat import PEEK as _PEEK
 from versionwatch._compat import (
     MODULE_CALL_HOOKS,
     HookedSaved,
@@ -32,6 +31,7 @@ from versionwatch._compat import (
     sequence_nr,
     storage_address,
 )
+from versionwatch._compat import PEEK as _PEEK
 from versionwatch._report import BACKWARD_SUFFIX as _BACKWARD_SUFFIX
 from versionwatch._report import ForwardRef, Hazard, Modification, Site, Writer
 from versionwatch._runtime import Call, Change, Patch, add_probe

@@ -205,9 +205,9 @@ def step_post(opt: Optimizer, args: Any, kwargs: Any) -> None:
 # breaks at them (as it does at PyTorch's own zero_grad); their frames run as
 # plain Python (skip_code, in _before_patching), and what they call too (the
 # eval frame callback is off inside them).
-EAGER = (zero_grad, step_pre, step_post)
+EAGER: tuple[Callable[..., None], ...] = (zero_grad, step_pre, step_post)
 for _fn in EAGER:
-    _fn._torchdynamo_disable = True  # type: ignore[attr-defined]
+    setattr(_fn, "_torchdynamo_disable", True)  # noqa: B010 (a function's attribute)
 
 
 def _changes() -> list[Change]:
