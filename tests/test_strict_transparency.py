@@ -152,10 +152,13 @@ def test_in_place_write_through_data_after_a_vetoed_step_is_reported(write: str)
     assert len(hz.modified_by) == 1 and "no version bump" in hz.modified_by[0].description
 
 
-@pytest.mark.parametrize("how", ["closure", "bad group", "sparse grad"])
+@pytest.mark.parametrize("how", ["closure", "bad group", "sparse grad", "bad params"])
 def test_data_write_after_a_step_that_raised_inside_is_reported(how: str):
     """A step that raised inside its body (its closure, a param group made invalid, a
-    gradient it refuses), caught: a critic's ``p.data.mul_(0.5)`` after it is seen."""
+    gradient it refuses), caught: a critic's ``p.data.mul_(0.5)`` after it is seen, by
+    its own line. A group whose params broke strict mode's own check of the step
+    (raised in the pre-hook, as the step would) left the step's label on the thread,
+    and the write was named ``SGD.step() #1 (mul_())``, as if the step had made it."""
     torch.manual_seed(0)
     critic = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     opt = (torch.optim.Adam if how == "sparse grad" else torch.optim.SGD)(
@@ -167,23 +170,30 @@ def test_data_write_after_a_step_that_raised_inside_is_reported(how: str):
     with versionwatch.watch(critic, opt, strict=True, on_hazard="raise"):
         critic(torch.randn(3, 2)).sum().backward()  # gradients for the step
         out = critic(torch.randn(3, 2)).mean()
-        with pytest.raises((ValueError, TypeError, RuntimeError)):
+        with pytest.raises((ValueError, TypeError, RuntimeError, AttributeError)) as raised:
             if how == "closure":
                 opt.step(closure)
             elif how == "bad group":
                 opt.param_groups[0]["lr"] = None
                 opt.step()
+            elif how == "bad params":
+                opt.param_groups[0]["params"].append("not a tensor")
+                opt.step()
             else:
                 w = critic[2].weight
                 w.grad = w.grad.to_sparse()  # Adam does not support sparse gradients
                 opt.step()
+        # The step's own error, raised by torch: strict mode's check of the step let it be.
+        assert "versionwatch" not in raised.traceback[-1].path.parts
         for p in critic.parameters():
             p.data.mul_(0.5)  # bumps no version: backward would read the new weights
         with pytest.raises(versionwatch.InplaceModificationError) as info:
             out.backward()
     (hz,) = info.value.report.hazards
     assert hz.kind == "silent"
-    assert hz.modified_by[-1].description == "mul_() (no version bump)"
+    write = hz.modified_by[-1]
+    assert write.description == "mul_() (no version bump)"
+    assert write.site is not None and write.site.code.startswith("p.data.mul_(0.5)")
 
 
 def test_strict_memory_stays_flat_with_a_frozen_layer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -620,3 +630,29 @@ def test_strict_log_keeps_pytorchs_sentence_word_for_word(case: str):
     with versionwatch.watch_all(strict=True, on_hazard=seen.append):
         assert _stale_sentence(case) == plain
     assert [h.torch_message for r in seen for h in r.hazards] == [plain]  # the prediction's
+
+
+def test_a_write_after_a_step_whose_stop_at_write_callback_raised_is_named_by_its_line():
+    """``stop_at_write`` with a callable policy that raises at the step's report: the
+    raise leaves the step from its pre-hook, before strict mode marked it checked.
+    A write after it is the user's: it was named ``SGD.step() #1 (mul_())``."""
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(critic.parameters(), lr=0.1)
+    seen: list[versionwatch.Report] = []
+
+    def policy(report: versionwatch.Report) -> None:
+        seen.append(report)
+        if report.first.modified_by[0].description.startswith("SGD.step()"):
+            raise LookupError("stop at the step")
+
+    with versionwatch.watch(critic, opt, stop_at_write=True, on_hazard=policy):
+        critic(torch.randn(3, 2)).sum().backward()  # gradients for the step
+        out = critic(torch.randn(3, 2)).mean()
+        with pytest.raises(LookupError):
+            opt.step()
+        critic[2].weight.data.mul_(0.5)
+    (write,) = seen[-1].first.modified_by
+    assert write.description == "mul_() (no version bump)"
+    assert write.site is not None and write.site.code == "critic[2].weight.data.mul_(0.5)"
+    del out
