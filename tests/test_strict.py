@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -576,3 +579,59 @@ def test_lbfgs_closure_forward_writes_are_recorded_and_training_is_identical():
     assert all(torch.equal(a, b) for a, b in zip(plain, watched))
     assert err.report.hazards[0].modified_by[0].description == "add_()"
     assert len(w.reports) == 1
+
+
+_DEEP = textwrap.dedent("""\
+    import sys
+    import torch
+    from torch import nn
+    import versionwatch
+
+    mode, depth, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    sys.setrecursionlimit(limit)
+
+    class Wrap(nn.Module):
+        def __init__(self, child):
+            super().__init__()
+            self.child = child
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return self.child(x) * self.scale
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    for i in range(depth):  # a Sequential in a module of the user's, and so on
+        model = nn.Sequential(model) if i % 2 else Wrap(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train():
+        for _ in range(2):
+            loss = model(torch.randn(3, 4)).pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    if mode == "plain":
+        train()
+    else:
+        with versionwatch.watch(model, opt, strict=mode == "strict") as w:
+            train()
+        assert not w.reports
+    print(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist())
+""")
+
+
+@pytest.mark.parametrize(("depth", "limit"), [(200, 1000), (1000, 6000)])
+def test_a_model_nested_deep_trains_under_strict_as_it_does_plain(tmp_path, depth, limit):
+    """Strict mode adds no frame to a module call: where plain runs, strict runs too."""
+    (tmp_path / "deep.py").write_text(_DEEP)
+
+    def run(mode: str) -> str:
+        r = subprocess.run([sys.executable, "deep.py", mode, str(depth), str(limit)],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"{mode}: {r.stderr[-2000:]}"
+        return r.stdout
+
+    plain = run("plain")
+    assert run("strict") == plain

@@ -5,6 +5,7 @@ Each test compares every thread's prediction with what its real backward did.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -614,3 +615,38 @@ def test_a_flight_is_waited_for_unless_the_engine_called_program_code(where: str
     finally:
         held.release()
         t.join(JOIN_S)
+
+
+CLOSED_ELSEWHERE = """\
+import sys, threading
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+if sys.argv[1] == "watched":
+    import versionwatch
+    w = versionwatch.watch(model, strict=True)
+    close = w.close
+else:
+    close = lambda: None
+model(torch.ones(1, 2)).sum().backward()
+t = threading.Thread(target=close)  # not the watcher's thread: its entry waits for this one
+t.start()
+t.join()
+print("done")
+"""
+
+
+def test_a_strict_watcher_closed_from_another_thread_leaves_nothing_to_say_at_exit(
+        tmp_path: Path) -> None:
+    """The main thread's hook entry is still pending at exit: the interpreter's
+    teardown must drop it silently, not print "Exception ignored in _forget_ended"."""
+    (tmp_path / "closed_elsewhere.py").write_text(CLOSED_ELSEWHERE)
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env = {**os.environ, "PYTHONPATH": src}
+    runs = []
+    for mode in ("plain", "watched"):
+        p = subprocess.run([sys.executable, "closed_elsewhere.py", mode], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+        runs.append((p.returncode, p.stdout, p.stderr))
+    assert runs[1] == runs[0] == (0, "done\n", "")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -726,3 +727,62 @@ def test_a_borrower_dropped_without_close_gives_the_model_back():
         model(torch.randn(2, 4))
         assert [e.label for e in auto.ledger.events if e.kind == "forward"] == [
             "model.forward #1", "model.forward #2"]
+
+
+COMPILED_STEP = """\
+import re, sys, warnings
+import torch
+from torch import nn
+
+mode = sys.argv[1]
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@torch.compile(backend="eager")
+def train_step(x):  # the first module call of the thread runs inside the trace
+    opt.zero_grad()
+    loss = model(x).pow(2).mean()
+    loss.backward()  # a graph break, as in a plain run
+    opt.step()
+    return loss
+
+
+with warnings.catch_warnings(record=True) as got:
+    warnings.simplefilter("always")
+    if mode == "plain":
+        for _ in range(3):
+            train_step(torch.randn(3, 4))
+    else:
+        import versionwatch
+        with versionwatch.watch(model, opt, strict=mode == "strict") as w:
+            for _ in range(3):
+                train_step(torch.randn(3, 4))
+        assert not w.reports
+for m in got:
+    print(m.category.__name__, str(m.message).splitlines()[0])
+print(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist())
+"""
+
+
+def test_a_compiled_train_step_says_under_a_watch_what_it_says_plain(tmp_path):
+    """zero_grad(), backward() and step() inside a torch.compile'd function: dynamo
+    traced our step hooks and warned at sys._getframe, and strict mode's module
+    call wrapper failed dynamo's guard when the thread's first module call was in
+    the trace. Warnings, torch's log lines and the weights: the same as plain."""
+    (tmp_path / "compiled_step.py").write_text(COMPILED_STEP)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {**os.environ, "PYTHONPATH": src}
+    said = {}
+    for mode in ("plain", "default", "strict"):
+        r = subprocess.run([sys.executable, "compiled_step.py", mode], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"{mode}: {r.stderr[-3000:]}"
+        # torch's log lines carry a time, a process id and the number of the
+        # frame dynamo compiled (strict mode's graph breaks number them apart).
+        log = [re.sub(r"^\[\d+/\d+\] ", "", line.split("] ", 1)[-1])
+               for line in r.stderr.splitlines()]
+        said[mode] = (r.stdout, log)
+    assert said["default"] == said["plain"]
+    assert said["strict"] == said["plain"]

@@ -408,3 +408,28 @@ def jit_builtins() -> dict[int, str]:
 
     table: dict[int, str] = builtins._get_builtin_table()  # type: ignore[no-untyped-call]
     return table
+
+
+def _module_call_hooks() -> tuple[dict[Any, Any], ...] | None:
+    """The global hook dicts that ``nn.Module._call_impl`` checks before its fast path.
+
+    With these and the module's own four hook dicts empty, and no JIT trace,
+    ``_call_impl`` only calls ``self.forward`` (torch 2.4 to 2.13 alike); a
+    wrapper of it can then call ``forward`` itself, and adds no frame to a
+    module call. None where ``_call_impl`` reads other names: call it always.
+    """
+    from torch.nn.modules import module
+
+    names = ("_global_backward_pre_hooks", "_global_backward_hooks",
+             "_global_forward_hooks", "_global_forward_pre_hooks")
+    code_names = set(module.Module._call_impl.__code__.co_names)
+    own = {"_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forward_pre_hooks",
+           "_get_tracing_state", "forward"}
+    if not (own | set(names)) <= code_names:
+        return None
+    found = [d for n in names if isinstance(d := getattr(module, n, None), dict)]
+    return tuple(found) if len(found) == len(names) else None
+
+
+MODULE_CALL_HOOKS = _module_call_hooks()
+"""The global module hook dicts that decide ``_call_impl``'s fast path, or None (unknown)."""

@@ -26,6 +26,7 @@ every such entry is taken out or its thread has ended (:data:`WRAPPERS`).
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -207,18 +208,26 @@ def settle_in_pack() -> None:
         settle()
 
 
-def _forget_ended(_: object = None) -> None:
-    """Drop the entries of threads that have ended (their stacks went with them)."""
+def _forget_ended(_: object = None, state: _State = STATE,
+                  finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+    """Drop the entries of threads that have ended (their stacks went with them).
+
+    Also a weak reference's callback: at interpreter exit the main thread's
+    state dies after this module's globals are cleared (hence the defaults),
+    and then there is nothing left to take out.
+    """
+    if finalizing():
+        return
     gone: list[Subscription] = []
-    with STATE.lock:
-        for ident in list(STATE.pending):
-            left = STATE.pending[ident]
+    with state.lock:
+        for ident in list(state.pending):
+            left = state.pending[ident]
             live = [(e, h) for e, h in left if e.thread() is not None]
             gone += [h for e, h in left if e.thread() is None]
             if live:
-                STATE.pending[ident] = live
+                state.pending[ident] = live
             else:
-                del STATE.pending[ident]
+                del state.pending[ident]
     for hold in gone:
         hold.remove()
 

@@ -23,8 +23,15 @@ from torch import nn
 from torch.autograd.graph import Node
 
 from versionwatch._built import built_at
+from versionwatch._compat import (
+    MODULE_CALL_HOOKS,
+    HookedSaved,
+    allow_in_peek,
+    peek,
+    sequence_nr,
+    storage_address,
+)
 from versionwatch._compat import PEEK as _PEEK
-from versionwatch._compat import HookedSaved, allow_in_peek, peek, sequence_nr, storage_address
 from versionwatch._report import BACKWARD_SUFFIX as _BACKWARD_SUFFIX
 from versionwatch._report import ForwardRef, Hazard, Modification, Site, Writer
 from versionwatch._runtime import Call, Change, Patch, add_probe
@@ -487,6 +494,14 @@ def _writer(module: nn.Module, files: list[str]) -> Writer:
 
 def _module_call(call_impl: Callable[..., object]) -> Callable[..., object]:
     names, local = _NAMES, THREAD
+    # nn.Module's fast path, taken here: where _call_impl would only call
+    # forward, this wrapper calls it in its place. A wrapper that called
+    # _call_impl would add a frame to every module call, and a model nested
+    # 200 deep that runs plain would exceed the recursion limit under strict.
+    hooks = MODULE_CALL_HOOKS
+    fast = hooks is not None
+    g1, g2, g3, g4 = hooks if hooks is not None else ({}, {}, {}, {})
+    tracing = torch._C._get_tracing_state
 
     @functools.wraps(call_impl)
     def _call_impl(self: nn.Module, *args: object, **kwargs: object) -> object:
@@ -497,6 +512,10 @@ def _module_call(call_impl: Callable[..., object]) -> Callable[..., object]:
             end_step()  # optimizers run no modules: that step is over, or a closure runs
         stack.append([names.get(id(self)) or type(self).__name__, _UNSEEN])
         try:
+            if fast and not (self._backward_hooks or self._backward_pre_hooks
+                             or self._forward_hooks or self._forward_pre_hooks
+                             or g1 or g2 or g3 or g4 or tracing()):
+                return self.forward(*args, **kwargs)
             return call_impl(self, *args, **kwargs)
         finally:
             stack.pop()

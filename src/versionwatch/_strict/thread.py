@@ -33,6 +33,13 @@ class _Thread(threading.local):
     # The previous window.
     lines_old: dict[int, tuple[CodeType, int, ForwardRef | None]] | None = None
 
+    def __init__(self) -> None:
+        # Run by each thread at its first use. ``modules`` is in the thread's
+        # dict from the start: a module call inside a torch.compile trace reads
+        # it, and dynamo guards on that dict; an entry the trace itself added
+        # would fail its guard at once ("Guard failed on the same frame").
+        self.modules = []
+
 
 THREAD = _Thread()
 

@@ -208,10 +208,16 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
     site = user_site()
     label = _LABELS.get(name, f"{name}()" if not name.endswith(")") else name)
     context = THREAD.step
-    if context:
-        if name != "step" and THREAD.step_checked and in_step():
-            return  # the step's writes were checked, and recorded, as a whole
-        context = THREAD.step
+    if context and name != "step":
+        # A step that raised (a vetoing pre-hook, a failing closure, a param group
+        # that broke the step's own check before it was done) has left its
+        # window: in_step() finds its frame gone and ends it, and the write is
+        # the user's, named by its own line.
+        if in_step():
+            if THREAD.step_checked:
+                return  # the step's writes were checked, and recorded, as a whole
+        else:
+            context = None
     writer: Writer | None = None
     stack: tuple[Site, ...] = ()
     if context:

@@ -142,6 +142,8 @@ def _before_patching() -> None:
     warm_dynamo()
     if skip_code is not None:
         skip_code(_BACKWARD.new.__code__)  # the one code of both stand-ins
+        for fn in EAGER:
+            skip_code(fn.__code__)
 
 
 def _after_restoring() -> None:
@@ -159,10 +161,15 @@ grad: Callable[..., Any] = _GRAD.new
 
 def zero_grad(self: Optimizer, set_to_none: bool = True) -> None:
     """``Optimizer.zero_grad`` while a watcher is open: the original, then the event."""
-    _ZERO_GRAD.old(self, set_to_none)
-    found = owner(self)
-    if found is not None:
-        found[0]._on_zero_grad(self, set_to_none, found[1], site_from(sys._getframe(1)))
+    prior = set_eval_frame(None) if set_eval_frame is not None else None
+    try:
+        _ZERO_GRAD.old(self, set_to_none)
+        found = owner(self)
+        if found is not None:
+            found[0]._on_zero_grad(self, set_to_none, found[1], site_from(sys._getframe(1)))
+    finally:
+        if set_eval_frame is not None:
+            set_eval_frame(prior)
 
 
 _ZERO_GRAD = Patch(Optimizer, "zero_grad", zero_grad)
@@ -170,16 +177,37 @@ _ZERO_GRAD = Patch(Optimizer, "zero_grad", zero_grad)
 
 def step_pre(opt: Optimizer, args: Any, kwargs: Any) -> None:
     """The global optimizer step pre-hook; its caller is the frame that runs the step."""
-    found = owner(opt)
-    if found is not None:
-        found[0]._on_step_pre(opt, found[1], sys._getframe(1))
+    prior = set_eval_frame(None) if set_eval_frame is not None else None
+    try:
+        found = owner(opt)
+        if found is not None:
+            found[0]._on_step_pre(opt, found[1], sys._getframe(1))
+    finally:
+        if set_eval_frame is not None:
+            set_eval_frame(prior)
 
 
 def step_post(opt: Optimizer, args: Any, kwargs: Any) -> None:
     """The global optimizer step post-hook."""
-    found = owner(opt)
-    if found is not None:
-        found[0]._on_step_post(opt, found[1])
+    prior = set_eval_frame(None) if set_eval_frame is not None else None
+    try:
+        found = owner(opt)
+        if found is not None:
+            found[0]._on_step_post(opt, found[1])
+    finally:
+        if set_eval_frame is not None:
+            set_eval_frame(prior)
+
+
+# A step or zero_grad() inside a torch.compile'd function: dynamo would trace
+# these, and warn at what it cannot trace (sys._getframe) where a plain run
+# says nothing. Marked as torch._dynamo.disable marks a function, a trace
+# breaks at them (as it does at PyTorch's own zero_grad); their frames run as
+# plain Python (skip_code, in _before_patching), and what they call too (the
+# eval frame callback is off inside them).
+EAGER: tuple[Callable[..., None], ...] = (zero_grad, step_pre, step_post)
+for _fn in EAGER:
+    setattr(_fn, "_torchdynamo_disable", True)  # noqa: B010 (a function's attribute)
 
 
 def _changes() -> list[Change]:

@@ -284,8 +284,10 @@ class OptimizerTracker:
                 # The step's writes, recorded (and, under stop_at_write, checked)
                 # as one before it writes anything: raising halfway would leave
                 # some parameters updated. Fused kernels bump no version.
-                with_grad = [p for g in opt.param_groups for p in g["params"]
-                             if p.grad is not None]
+                # Read as the step reads them: a param group it will refuse (a
+                # non-tensor in it) gets the step's own error, not ours.
+                with_grad = [p for g in opt.param_groups for p in g.get("params", ())
+                             if isinstance(p, torch.Tensor) and p.grad is not None]
                 _strict.on_write("step", (with_grad,), {}, silent=is_fused)
             _strict.THREAD.step_checked = True
 
