@@ -59,20 +59,12 @@ def environment() -> dict[str, str]:
 # ``python -m MODULE`` without the working directory on ``sys.path``: ``-m`` puts it
 # first, so a ``json.py`` or ``torch.py`` there would shadow the real module in our
 # own imports, which ``python sub/train.py`` never does. ``-P`` (Python 3.11+) is
-# not everywhere; this is: the interpreter's first entry, which it makes for the
-# program, becomes this versionwatch's folder, a slot that the child replaces with
-# the program's own entry, as ``python`` makes it. Under ``-P``/``PYTHONSAFEPATH``
-# (probed, not by version) there is no such entry, for the program either.
-_BOOT = ("import sys, runpy\n"
-         "if not getattr(sys.flags, 'safe_path', False):\n"
-         "    sys.path[0] = {sources!r}\n"
-         "runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
-
-
+# not everywhere; a script of the package is: see versionwatch._cli.boot.
 def python_module(module: str) -> list[str]:
     """The command line that runs ``module`` as ``python -m`` does, the working directory
-    not on its ``sys.path`` (see ``_BOOT``); the child's arguments follow it."""
-    return [sys.executable, "-c", _BOOT.format(sources=SOURCES, module=module)]
+    not on its ``sys.path`` (see :mod:`versionwatch._cli.boot`); the child's arguments
+    follow it."""
+    return [sys.executable, os.path.join(PACKAGE_DIR, "_cli", "boot.py"), module]
 
 
 def start(argv: Sequence[str], *, cwd: str | None = None, env: dict[str, str] | None = None,

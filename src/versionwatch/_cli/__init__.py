@@ -2,8 +2,9 @@
 
 It owns argument parsing and running a script as ``__main__`` (``command``), what a
 run writes (``outputs``: ``--json``, ``--dot``, ``--svg``), how a run ends
-(``sigterm``), ``--replay`` (``replay``), ``merge`` of ranks' reports (``merge``)
-and the bundled seed story (``demo``).
+(``sigterm``), ``--replay`` (``replay``), ``merge`` of ranks' reports (``merge``),
+the bundled seed story (``demo``), and the script that starts our children as
+``python -m`` would, without the working directory on ``sys.path`` (``boot``).
 """
 
 from __future__ import annotations
