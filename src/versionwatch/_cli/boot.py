@@ -13,12 +13,19 @@ every frame of the program) is one of ours, which reports leave out.
 import os
 import sys
 
-# Run as a script, this file's folder (versionwatch/_cli) is sys.path[0]: the folder
-# that holds the package replaces it (under -P/PYTHONSAFEPATH there is no such entry, and
-# PYTHONPATH, which versionwatch._process.environment sets, finds the package).
-if not getattr(sys.flags, "safe_path", False):
-    sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import runpy  # after sys.path is set: nothing of the script's folder
+def main() -> None:
+    """Run ``sys.argv[1]`` as ``__main__``, the rest of ``sys.argv`` its arguments."""
+    # Run as a script, this file's folder (versionwatch/_cli) is sys.path[0]: the
+    # folder that holds the package replaces it (under -P/PYTHONSAFEPATH there is
+    # no such entry, and PYTHONPATH, which versionwatch._process.environment sets,
+    # finds the package). Before any import that could read the script's folder.
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[0] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import runpy
 
-runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
+    runpy.run_module(sys.argv.pop(1), run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
