@@ -10,6 +10,8 @@ It is a file of the package, not ``python -c`` code, so that its frame (under
 every frame of the program) is one of ours, which reports leave out.
 """
 
+from __future__ import annotations
+
 import os
 import sys
 
