@@ -31,42 +31,11 @@ HERE = Path(__file__).resolve().parent
 SRC = str(HERE.parent / "src")
 
 # tests/fix_programs/seed_story.py as a function: it fails at the second iteration.
-MODEL = textwrap.dedent("""\
-    import os
-    import sys
-    import torch
-    from torch import nn
-
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w1 = nn.Parameter(torch.tensor([2.0]))
-            self.w2 = nn.Parameter(torch.tensor([3.0]))
-            self.w3 = nn.Parameter(torch.tensor([4.0]))
-
-        def forward(self, a):
-            s = a * self.w1
-            return s * self.w2, s * self.w3
-
-
-    def train(iterations=3):
-        torch.manual_seed(0)
-        model = Model()
-        optim = torch.optim.SGD(model.parameters(), lr=0.01)
-        mse = nn.MSELoss()
-        x, y1, y2 = torch.tensor([1.0]), torch.tensor([5.0]), torch.tensor([7.0])
-        for _ in range(iterations):
-            y1_pred, y2_pred = model(x)
-            optim.zero_grad(set_to_none=False)
-            loss1 = mse(y1_pred, y1)
-            loss1.backward(retain_graph=True)
-            optim.step()
-            optim.zero_grad(set_to_none=False)
-            loss2 = mse(y2_pred, y2)
-            loss2.backward()
-            optim.step()
-""")
+_HEAD, _LOOP = (HERE / "fix_programs" / "seed_story.py").read_text(
+    encoding="utf-8").split("torch.manual_seed(0)\n")
+MODEL = ("import os\nimport sys\n" + _HEAD + "\ndef train(iterations=3):\n"
+         + textwrap.indent("torch.manual_seed(0)\n" + _LOOP.replace(
+             "range(3)", "range(iterations)"), "    "))
 # What `versionwatch` (the console script) runs.
 LAUNCHER = "import sys\nfrom versionwatch._cli.command import main\nsys.exit(main())\n"
 
