@@ -169,6 +169,7 @@ def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: i
     try:
         if own:
             server = ForkServer()
+        workspace.open()  # the snapshot, before the first run, where describe() names it
         say(workspace.describe())
         result = _fix(program, facts, check_steps, timeout, jobs, sources, server, workspace,
                       say, flight)

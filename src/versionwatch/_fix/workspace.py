@@ -114,11 +114,10 @@ class Workspace:
         return None
 
     def describe(self) -> str:
-        """Where every run happens, for the terminal (after :meth:`plan`)."""
+        """Where every run happens, for the terminal (after :meth:`plan` and :meth:`open`)."""
         if self.in_place:
             return ("--in-place: every run happens in your working folder, with the "
                     "program's side effects there, once per run")
-        self.open()
         where = " and of ".join(_shown_root(root) for root in self.roots)
         return (f"every run of the program happens in a fresh copy of {where} "
                 f"({self.files} file(s), {_size(self.size)}) under {self.folder}; "
