@@ -492,7 +492,11 @@ def test_a_damaged_library_is_set_aside_or_rebuilt_in_training(
                                f"damaged (size {len(good) // 2}, expected {len(good)}): "
                                "set aside"], (value, err)
     assert _native_build.cached() == ("good", "")  # this process's cache: untouched
-    assert lib.read_bytes() == good  # linked again from the same objects
+    # Built again, and whole against its own new record. Not byte-identical to
+    # the first: a link is not reproducible everywhere (CI's differed).
+    size, digest = _native_build._digest(lib)
+    assert size > 0 and lib.with_suffix(".record").read_text() == \
+        _native_build._record_text(size, digest)
 
 
 @posix_only
