@@ -11,6 +11,7 @@ import ast
 import re
 
 from versionwatch._report.model import BACKWARD_SUFFIX, Hazard, Writer
+from versionwatch._report.silent import silent_fix
 from versionwatch._report.source_lines import assigned, statement, without_comment, written_variable
 
 __all__ = ["fix_for", "op_name", "rewrite_for"]
@@ -249,11 +250,7 @@ def fix_for(h: Hazard) -> str:
             "nn.SyncBatchNorm.convert_sync_batchnorm(model), which syncs in the forward itself"
         )
     if h.kind == "silent":
-        return (
-            f"{name} was changed without a version bump (fused optimizer, .data, or a "
-            "no_grad write through .data); run every backward that needs it before the "
-            "change, or re-run the forward after it"
-        )
+        return silent_fix(h)
     # A library module built with inplace=True: the fix is its own argument. Any
     # other module's write (a library's own in-place op) gets the words below.
     writer = next((m.writer for m in h.modified_by

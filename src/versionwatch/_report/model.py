@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 from versionwatch._report.source_lines import made_variable, written_variable
 
 HazardKind = Literal["inplace", "freed", "silent"]
+SilentCause = Literal["checkpoint", "gradient", "fingerprint"]
 
 # A node's name without its "Backward0" ending: the op, as reports name it.
 BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
@@ -391,6 +392,12 @@ class Hazard:
             checked (their ``why`` says how to check them), and ``versionwatch
             fix`` with the checked ones. The text's ``fix`` line shows the first
             one it may offer (:attr:`Fix.offered`), else ``fix``.
+        cause: for ``silent``, how the change escaped PyTorch's version check
+            (:mod:`versionwatch._report.silent`): ``None`` (a write with no version
+            bump), ``"checkpoint"``, ``"gradient"`` or ``"fingerprint"``.
+        hidden_by: for ``silent``: what hid the write from PyTorch, in the user's
+            words (``"checkpoint(use_reentrant=False)"``, ``"the hook at
+            train.py:12"``), when known.
         saved_in: ``saved_during`` in pieces (:class:`ForwardRef`), where a
             watcher or strict mode set it; internal.
         key: ``id()`` of the named tensor (the base, for a view); internal.
@@ -428,6 +435,8 @@ class Hazard:
     between: Between | None = None
     compiled_forward: Site | None = None
     fixes: list[Fix] = field(default_factory=list, compare=False)
+    cause: SilentCause | None = None
+    hidden_by: str | None = None
     saved_in: ForwardRef | None = field(default=None, repr=False, compare=False)
     key: int | None = field(default=None, repr=False, compare=False)
     seq: int | None = field(default=None, repr=False, compare=False)

@@ -14,6 +14,7 @@ import re
 from versionwatch._report import dot as _dot  # noqa: F401  (loads and registers the Graphviz renderer)
 from versionwatch._report.advice import rewrite_for
 from versionwatch._report.model import UNSURE_HOOKS, Hazard, Report, register_renderer
+from versionwatch._report.silent import silent_headline
 from versionwatch._report.source_lines import without_comment
 
 __all__ = ["fix_line", "render_report"]
@@ -36,10 +37,7 @@ def _headline(report: Report, h: Hazard) -> str:
             f"the tensors saved by {h.node} were already freed"
         )
     if h.kind == "silent":
-        return (
-            f"versionwatch: backward will compute wrong gradients: {h.describe_tensor()} "
-            f"saved by {h.node} was changed without a version bump"
-        )
+        return silent_headline(h)
     return (
         f"versionwatch: {verb}: {_called(h)} saved by {h.node} was "
         "modified by an inplace operation"

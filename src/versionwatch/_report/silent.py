@@ -1,0 +1,110 @@
+"""The words of a ``silent`` hazard, one function per cause.
+
+A ``silent`` hazard is a saved tensor that backward would read changed, with no
+error from PyTorch: the gradients would be wrong. :attr:`Hazard.cause` says how
+the change escaped PyTorch's version check, and each cause has its own headline
+and fix here, so that :mod:`versionwatch._report.text` and
+:mod:`versionwatch._report.advice` stay one voice:
+
+- ``None``: a write that bumped no version (``.data``, a fused optimizer step);
+- ``"checkpoint"``: a tensor saved inside non-reentrant activation
+  checkpointing (``checkpoint(fn, x, use_reentrant=False)``, selective
+  checkpointing), where no version is checked and the recomputation during
+  backward reads what the tensor holds then;
+- ``"gradient"``: a hook that modified in place a gradient that another
+  consumer of the backward also receives;
+- ``"fingerprint"``: a saved tensor whose bytes changed with no version bump and
+  no write that strict mode saw (``set_()``, a custom kernel, an extension, a
+  buffer broadcast), found by its content fingerprint.
+"""
+
+from __future__ import annotations
+
+from versionwatch._report.model import Hazard
+
+__all__ = ["SILENT_TAIL", "silent_fix", "silent_headline"]
+
+SILENT_TAIL = "PyTorch will not raise, and the gradients would be wrong"
+"""What every silent report says of the outcome (a fact line of its own)."""
+
+
+def silent_headline(h: Hazard) -> str:
+    """The headline of a predicted ``silent`` hazard."""
+    if h.cause == "checkpoint":
+        return _checkpoint_headline(h)
+    if h.cause == "gradient":
+        return _gradient_headline(h)
+    if h.cause == "fingerprint":
+        return _fingerprint_headline(h)
+    return (
+        f"versionwatch: backward will compute wrong gradients: {h.describe_tensor()} "
+        f"saved by {h.node} was changed without a version bump"
+    )
+
+
+def silent_fix(h: Hazard) -> str:
+    """The advice of a ``silent`` hazard (its ``fix`` line when no patch is offered)."""
+    name = h.tensor or "the tensor"
+    if h.cause == "checkpoint":
+        return _checkpoint_fix(h)
+    if h.cause == "gradient":
+        return _gradient_fix(h)
+    if h.cause == "fingerprint":
+        return _fingerprint_fix(h)
+    return (
+        f"{name} was changed without a version bump (fused optimizer, .data, or a "
+        "no_grad write through .data); run every backward that needs it before the "
+        "change, or re-run the forward after it"
+    )
+
+
+# --- checkpoint ---------------------------------------------------------------
+
+
+def _checkpoint_headline(h: Hazard) -> str:
+    where = h.hidden_by or "checkpoint(use_reentrant=False)"
+    return (
+        f"versionwatch: backward will compute wrong gradients: {h.describe_tensor()} "
+        f"saved by {h.node} inside {where} was changed, and the recomputation reads the change"
+    )
+
+
+def _checkpoint_fix(h: Hazard) -> str:
+    return (
+        "don't modify in place a tensor that an op inside the checkpointed function saved: "
+        "use the out-of-place form (`x = x * s` instead of `x.mul_(s)`) or modify a `.clone()`"
+    )
+
+
+# --- gradient -----------------------------------------------------------------
+
+
+def _gradient_headline(h: Hazard) -> str:
+    return (
+        f"versionwatch: backward will compute wrong gradients: a hook modified in place "
+        f"the gradient that {h.node} passes on, which other consumers also receive"
+    )
+
+
+def _gradient_fix(h: Hazard) -> str:
+    return ("return a new gradient from the hook (`return g * scale`) instead of modifying "
+            "it in place (`g.mul_(scale)`)")
+
+
+# --- fingerprint --------------------------------------------------------------
+
+
+def _fingerprint_headline(h: Hazard) -> str:
+    return (
+        f"versionwatch: backward will compute wrong gradients: {h.describe_tensor()} "
+        f"saved by {h.node} was changed without a version bump (its content fingerprint changed)"
+    )
+
+
+def _fingerprint_fix(h: Hazard) -> str:
+    name = h.tensor or "the tensor"
+    return (
+        f"{name} was changed by a write no version counter sees (set_(), a custom kernel or "
+        "extension, a buffer broadcast); run every backward that needs it before the change, "
+        "or re-run the forward after it"
+    )
