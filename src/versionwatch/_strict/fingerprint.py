@@ -1,0 +1,203 @@
+"""Strict mode's fingerprints: writes that no version counter and no wrapper sees.
+
+Strict mode sees a write through a Python entry point (``add_``, ``.data``, a
+fused step), and PyTorch's check sees a write that bumps a version. A write
+made inside a C++ kernel that bumps none (BatchNorm's update of its running
+statistics in a training-mode forward), through NumPy (``t.numpy()[...] = v``),
+DLPack's consumers, an extension or a custom kernel, or a collective writing a
+buffer, is seen by neither. With ``fingerprint=True`` strict mode keeps, for
+every tensor it packs, a copy of a fixed sample of its bytes
+(:func:`take`), and the prediction before backward reads the same sample again
+(:func:`changed`): bytes that differ are a write that backward will read.
+
+The sample: up to :data:`SAMPLE` elements, spread over the tensor (every
+``numel / 64``-th element of a contiguous one; a grid of evenly spaced indices
+along each dimension of any other layout), copied as raw bytes, so that every
+dtype compares exactly (a NaN equals itself, ``-0.0`` differs from ``0.0``).
+Only the tensor's own elements are read, never the gaps of a strided view,
+which backward does not read either: a difference is always a change of what
+backward reads. A write to elements outside the sample is missed; the writes
+this is for rewrite the whole tensor.
+
+A fingerprint reads nothing that is not there: the bytes the sample spans are
+checked against the storage's size first (FSDP frees a parameter's storage
+after forward and gathers it again in backward: a storage too small now is
+skipped, not reported). Subclasses (whose ops run user code), other layouts,
+meta tensors, CUDA graph capture and active Torch function or dispatch modes
+(which would see our ops) get no fingerprint: nothing is reported for them.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from versionwatch._compat import MODES_ACTIVE, is_compiling, sequence_nr
+from versionwatch._runtime import Anchor, Call
+
+__all__ = ["ANCHOR", "SAMPLE", "STATE", "Fingerprint", "changed", "note", "settle", "take"]
+
+SAMPLE = 64
+"""The most elements a fingerprint copies (at most 64 x 16 bytes, for complex128).
+
+A write that rewrites a tensor (running statistics, a broadcast, a new
+storage) changes almost every element, so a handful would do; 64 also catch a
+write to a twentieth of the elements 96 times in 100 (``1 - 0.95 ** 64``), at
+a cost that does not grow with the tensor: one small copy per saved tensor.
+"""
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+class _State:
+    """Whether any open strict watcher asked for fingerprints (the one check on the hot paths)."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = False
+
+
+STATE = _State()
+
+
+def _on() -> None:
+    STATE.on = True
+
+
+def _off() -> None:
+    STATE.on = False
+    PENDING.records = []
+
+
+class _Pending(threading.local):
+    """This thread's records saved by ops that may not be over yet (weakly: graphs own them)."""
+
+    def __init__(self) -> None:
+        self.seq = -1  # the node that saved the newest of them
+        self.records: list[weakref.ref[Any]] = []
+
+
+PENDING = _Pending()
+
+
+def note(rec: Any) -> None:
+    """A record just packed: fingerprint it once the op that saved it is over.
+
+    An op saves its inputs before its kernel runs, and some kernels then write
+    an input they saved with no version bump: BatchNorm's running statistics
+    in a training-mode forward (whose backward does not read them), RReLU's
+    noise (which it does, as written). Their bytes at the save are not what
+    backward will read. So a record is fingerprinted when the op is over: at
+    a save by a later node (every earlier node's op has returned), or at the
+    end of a module call (:func:`settle`). One never settled before the
+    backward is not compared: a miss, never a false alarm.
+    """
+    p = PENDING
+    seq = sequence_nr() - 1 if sequence_nr is not None else -1
+    if seq != p.seq:
+        if p.records:
+            settle()
+        p.seq = seq
+    p.records.append(weakref.ref(rec))
+
+
+def settle() -> None:
+    """Fingerprint this thread's pending records: the ops that saved them are over."""
+    p = PENDING
+    if not p.records:
+        return
+    refs, p.records = p.records, []
+    if is_compiling():
+        return  # traced by torch.compile: no tensor op of ours may enter the graph
+    for r in refs:
+        rec = r()
+        # A write seen since, or a version moved: those keep their own reports.
+        if rec is None or rec.writes or rec._silent or rec.tensor._version != rec.version:
+            continue
+        rec.fingerprint = take(rec.tensor)
+
+
+# Held by each open watcher with fingerprint=True: on with the first, off with the last.
+ANCHOR = Anchor("strict fingerprints", lambda: [Call(_on, _off)])
+
+
+class Fingerprint:
+    """Which elements were sampled, and their bytes then."""
+
+    __slots__ = ("index", "sample", "shape")
+
+    def __init__(self, shape: torch.Size, index: int | tuple[slice, ...],
+                 sample: torch.Tensor) -> None:
+        self.shape = shape
+        self.index = index  # a step over a contiguous tensor, else one slice per dimension
+        self.sample = sample  # uint8, on the tensor's device
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """``t`` is a plain strided tensor whose elements its storage holds now."""
+    if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_quantized:
+        return False
+    if t.device.type == "meta" or t.numel() == 0:
+        return False
+    if MODES_ACTIVE is None or MODES_ACTIVE():
+        return False
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False  # a copy would be captured into the user's graph
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # functorch wrappers: no storage
+        return False
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size() <= storage.nbytes()
+
+
+def _plan(t: torch.Tensor) -> int | tuple[slice, ...]:
+    """Where to sample ``t``: a step over its elements, or a grid (one slice per dimension)."""
+    n = t.numel()
+    if t.is_contiguous():
+        return max(1, math.ceil(n / SAMPLE))
+    # Indices evenly spaced along each dimension, at most SAMPLE in all.
+    per_dim = max(1, int(SAMPLE ** (1 / t.dim()) + 1e-9))
+    return tuple(slice(None, None, max(1, math.ceil(size / per_dim))) for size in t.shape)
+
+
+def _read(t: torch.Tensor, index: int | tuple[slice, ...]) -> torch.Tensor:
+    """The sampled elements of ``t``, copied, as bytes (views, then one copy: no sync)."""
+    d = t.detach()
+    part = d.reshape(-1)[::index] if isinstance(index, int) else d[index]
+    return part.clone().reshape(-1).view(torch.uint8)
+
+
+def take(t: torch.Tensor) -> Fingerprint | None:
+    """The fingerprint of ``t`` as it is now; None where none can be taken safely.
+
+    Never writes ``t``: a view, a detached alias and a copy, all out of place.
+    """
+    if not _readable(t):
+        return None
+    try:
+        index = _plan(t)
+        return Fingerprint(t.shape, index, _read(t, index))
+    except (RuntimeError, TypeError, ValueError):  # a dtype with no byte view: none
+        return None
+
+
+def changed(t: torch.Tensor, fp: Fingerprint) -> bool:
+    """The sampled bytes of ``t`` differ from ``fp``'s: a write that no counter saw.
+
+    False wherever the bytes cannot be read as they were (a new shape, a
+    storage freed to nothing since): no report rather than a wrong one. On
+    CUDA the comparison waits for the device (one sync per saved tensor).
+    """
+    if t.shape != fp.shape or not _readable(t):
+        return False
+    try:
+        return not torch.equal(_read(t, fp.index), fp.sample)
+    except (RuntimeError, TypeError, ValueError):
+        return False
