@@ -128,76 +128,100 @@ ANCHOR = Anchor("strict fingerprints", lambda: [Call(_on, _off)])
 
 
 class Fingerprint:
-    """Which elements were sampled, and their bytes then."""
+    """Which elements were sampled (a strided view of the storage), and their values then."""
 
-    __slots__ = ("index", "sample", "shape")
+    __slots__ = ("meta", "offset", "sample", "size", "stride")
 
-    def __init__(self, shape: torch.Size, index: int | tuple[slice, ...],
+    def __init__(self, meta: tuple[torch.Size, tuple[int, ...], int],
+                 size: tuple[int, ...], stride: tuple[int, ...], offset: int,
                  sample: torch.Tensor) -> None:
-        self.shape = shape
-        self.index = index  # a step over a contiguous tensor, else one slice per dimension
-        self.sample = sample  # uint8, on the tensor's device
+        self.meta = meta  # the tensor's shape, strides and offset: read again only if the same
+        self.size = size  # the sample, as a view of the storage: one as_strided
+        self.stride = stride
+        self.offset = offset
+        self.sample = sample  # a copy, on the tensor's device
 
 
 def _readable(t: torch.Tensor) -> bool:
-    """``t`` is a plain strided tensor whose elements its storage holds now."""
+    """``t`` is a plain strided tensor, and nothing would see our ops on it."""
     if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_quantized:
-        return False
-    if t.device.type == "meta" or t.numel() == 0:
         return False
     if MODES_ACTIVE is None or MODES_ACTIVE():
         return False
     if t.is_cuda and torch.cuda.is_current_stream_capturing():
         return False  # a copy would be captured into the user's graph
+    return not t.is_meta
+
+
+def _held(t: torch.Tensor, shape: torch.Size, stride: tuple[int, ...], offset: int) -> bool:
+    """The storage holds every element of ``t`` now (FSDP frees one to nothing)."""
     try:
-        storage = t.untyped_storage()
+        nbytes = t.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):  # functorch wrappers: no storage
         return False
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return (last + 1) * t.element_size() <= storage.nbytes()
+    last = offset + sum((n - 1) * s for n, s in zip(shape, stride))
+    return (last + 1) * t.element_size() <= nbytes
 
 
-def _plan(t: torch.Tensor) -> int | tuple[slice, ...]:
-    """Where to sample ``t``: a step over its elements, or a grid (one slice per dimension)."""
-    n = t.numel()
-    if t.is_contiguous():
-        return max(1, math.ceil(n / SAMPLE))
+def _sampled(shape: torch.Size, stride: tuple[int, ...],
+             contiguous: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The sample's sizes and strides (elements, from the tensor's offset)."""
+    n = math.prod(shape)
+    if contiguous:
+        if n <= SAMPLE:
+            return (n,), (1,)
+        step = -(-n // SAMPLE)
+        return (-(-n // step),), (step,)
     # Indices evenly spaced along each dimension, at most SAMPLE in all.
-    per_dim = max(1, int(SAMPLE ** (1 / t.dim()) + 1e-9))
-    return tuple(slice(None, None, max(1, math.ceil(size / per_dim))) for size in t.shape)
-
-
-def _read(t: torch.Tensor, index: int | tuple[slice, ...]) -> torch.Tensor:
-    """The sampled elements of ``t``, copied, as bytes (views, then one copy: no sync)."""
-    d = t.detach()
-    part = d.reshape(-1)[::index] if isinstance(index, int) else d[index]
-    return part.clone().reshape(-1).view(torch.uint8)
+    per_dim = max(1, int(SAMPLE ** (1 / len(shape)) + 1e-9))
+    steps = [max(1, math.ceil(size / per_dim)) for size in shape]
+    return (tuple(math.ceil(size / k) for size, k in zip(shape, steps)),
+            tuple(s * k for s, k in zip(stride, steps)))
 
 
 def take(t: torch.Tensor) -> Fingerprint | None:
     """The fingerprint of ``t`` as it is now; None where none can be taken safely.
 
-    Never writes ``t``: a view, a detached alias and a copy, all out of place.
+    Never writes ``t``: a detached alias, a strided view of it and a copy of
+    that view (one small kernel, no sync on CUDA), all out of place.
     """
     if not _readable(t):
         return None
+    shape, stride, offset = t.shape, t.stride(), t.storage_offset()
+    if 0 in shape:
+        return None  # no elements: nothing to change
+    # Its op has just read or written every element: the storage holds them.
+    size, step = _sampled(shape, stride, t.is_contiguous())
     try:
-        index = _plan(t)
-        return Fingerprint(t.shape, index, _read(t, index))
-    except (RuntimeError, TypeError, ValueError):  # a dtype with no byte view: none
+        sample = t.detach().as_strided(size, step, offset).clone()
+    except (RuntimeError, TypeError, ValueError):
         return None
+    return Fingerprint((shape, stride, offset), size, step, offset, sample)
 
 
 def changed(t: torch.Tensor, fp: Fingerprint) -> bool:
     """The sampled bytes of ``t`` differ from ``fp``'s: a write that no counter saw.
 
-    False wherever the bytes cannot be read as they were (a new shape, a
-    storage freed to nothing since): no report rather than a wrong one. On
-    CUDA the comparison waits for the device (one sync per saved tensor).
+    False wherever the bytes cannot be read as they were (a new shape or
+    layout, a storage freed to nothing since): no report rather than a wrong
+    one. Values first (a NaN never equals itself), then bytes where those
+    differ, so that every dtype compares exactly: a sample whose bytes are
+    the same is unchanged. On CUDA the comparison waits for the device (one
+    sync per saved tensor).
     """
-    if t.shape != fp.shape or not _readable(t):
+    shape, stride, offset = fp.meta
+    if (t.shape != shape or t.stride() != stride or t.storage_offset() != offset
+            or not _readable(t) or not _held(t, shape, stride, offset)):
         return False
     try:
-        return not torch.equal(_read(t, fp.index), fp.sample)
+        now = t.detach().as_strided(fp.size, fp.stride, fp.offset)
+        if torch.equal(now, fp.sample):
+            return False
+        return not torch.equal(_bytes(now), _bytes(fp.sample))
     except (RuntimeError, TypeError, ValueError):
         return False
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as flat raw bytes (a copy where ``t`` is a strided view)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
