@@ -179,6 +179,11 @@ def _sampled(shape: torch.Size, stride: tuple[int, ...],
             tuple(s * k for s, k in zip(stride, steps)))
 
 
+# (shape, strides, contiguous) -> the sample's sizes and strides: a model saves the same few.
+_PLANS: dict[tuple[torch.Size, tuple[int, ...], bool],
+             tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+
 def take(t: torch.Tensor) -> Fingerprint | None:
     """The fingerprint of ``t`` as it is now; None where none can be taken safely.
 
@@ -187,11 +192,17 @@ def take(t: torch.Tensor) -> Fingerprint | None:
     """
     if not _readable(t):
         return None
-    shape, stride, offset = t.shape, t.stride(), t.storage_offset()
+    shape, stride, offset = t.shape, t.stride(), int(t.storage_offset())
     if 0 in shape:
         return None  # no elements: nothing to change
     # Its op has just read or written every element: the storage holds them.
-    size, step = _sampled(shape, stride, t.is_contiguous())
+    key = (shape, stride, t.is_contiguous())
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 4096:  # shapes seen come back: a bound, not an eviction policy
+            _PLANS.clear()
+        plan = _PLANS[key] = _sampled(*key)
+    size, step = plan
     try:
         sample = t.detach().as_strided(size, step, offset).clone()
     except (RuntimeError, TypeError, ValueError):
