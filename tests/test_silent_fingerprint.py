@@ -134,6 +134,9 @@ versionwatch: backward will compute wrong gradients: a tensor, float32[3] saved 
   backward at  {me}:{back}
   fix          the tensor was changed by a write no version counter sees (a C++ kernel such as BatchNorm's running-statistics update, a NumPy or DLPack alias, an extension, a collective); run every backward that needs it before the change, or re-run the forward after it"""
     assert str(report) == expected
+    doc = report.to_dict()["hazards"][0]
+    assert (doc["kind"], doc["cause"], doc["hidden_by"]) == (
+        "silent", "fingerprint", "a write no version counter sees")
 
 
 def _batchnorm_program(momentum: float, watch: dict | None, train_between: bool = True):
