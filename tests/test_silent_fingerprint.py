@@ -24,7 +24,8 @@ from torch import nn
 import versionwatch
 from versionwatch._report.silent import SILENT_TAIL
 from versionwatch._runtime import installed
-from versionwatch._strict.fingerprint import SAMPLE, changed, take
+from versionwatch._strict.fingerprint import SAMPLE, take
+from versionwatch._strict.fingerprint import fingerprint_changed as changed
 
 
 def line_of(fn, text: str) -> int:

@@ -53,14 +53,14 @@ from versionwatch._report import (
     UNSURE_ERROR,
     UNSURE_PROFILER,
     Hazard,
+    fingerprint_hazard,
 )
-from versionwatch._report.silent import fingerprint_hazard
 from versionwatch._runtime import Anchor, Patch
+from versionwatch._strict import FINGERPRINTS as _FINGERPRINTS
 from versionwatch._strict import RECORDS as _RECORDS
 from versionwatch._strict import SavedRecord, output_of, strict_message
+from versionwatch._strict import fingerprint_changed as _fingerprint_changed
 from versionwatch._strict import unpack as _strict_unpack
-from versionwatch._strict.fingerprint import STATE as _FINGERPRINTS
-from versionwatch._strict.fingerprint import changed as _fingerprint_changed
 from versionwatch._torch_messages import (
     FREED,
     PRODUCER_RE,

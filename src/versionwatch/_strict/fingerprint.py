@@ -8,7 +8,7 @@ DLPack's consumers, an extension or a custom kernel, or a collective writing a
 buffer, is seen by neither. With ``fingerprint=True`` strict mode keeps, for
 every tensor it packs, a copy of a fixed sample of its bytes
 (:func:`take`), and the prediction before backward reads the same sample again
-(:func:`changed`): bytes that differ are a write that backward will read.
+(:func:`fingerprint_changed`): bytes that differ are a write that backward will read.
 
 The sample: up to :data:`SAMPLE` elements, spread over the tensor (every
 ``numel / 64``-th element of a contiguous one; a grid of evenly spaced indices
@@ -40,7 +40,8 @@ from torch import nn
 from versionwatch._compat import MODES_ACTIVE, is_compiling, sequence_nr
 from versionwatch._runtime import Anchor, Call
 
-__all__ = ["ANCHOR", "SAMPLE", "STATE", "Fingerprint", "changed", "note", "settle", "take"]
+__all__ = ["FINGERPRINTS", "FINGERPRINT_ANCHOR", "SAMPLE", "Fingerprint", "fingerprint_changed",
+           "note", "settle", "take"]
 
 SAMPLE = 64
 """The most elements a fingerprint copies (at most 64 x 16 bytes, for complex128).
@@ -63,15 +64,15 @@ class _State:
         self.on = False
 
 
-STATE = _State()
+FINGERPRINTS = _State()
 
 
 def _on() -> None:
-    STATE.on = True
+    FINGERPRINTS.on = True
 
 
 def _off() -> None:
-    STATE.on = False
+    FINGERPRINTS.on = False
     PENDING.records = []
 
 
@@ -124,7 +125,7 @@ def settle() -> None:
 
 
 # Held by each open watcher with fingerprint=True: on with the first, off with the last.
-ANCHOR = Anchor("strict fingerprints", lambda: [Call(_on, _off)])
+FINGERPRINT_ANCHOR = Anchor("strict fingerprints", lambda: [Call(_on, _off)])
 
 
 class Fingerprint:
@@ -210,7 +211,7 @@ def take(t: torch.Tensor) -> Fingerprint | None:
     return Fingerprint((shape, stride, offset), size, step, offset, sample)
 
 
-def changed(t: torch.Tensor, fp: Fingerprint) -> bool:
+def fingerprint_changed(t: torch.Tensor, fp: Fingerprint) -> bool:
     """The sampled bytes of ``t`` differ from ``fp``'s: a write that no counter saw.
 
     False wherever the bytes cannot be read as they were (a new shape or

@@ -37,7 +37,7 @@ from versionwatch._report import ForwardRef, Hazard, Modification, Site, Writer
 from versionwatch._runtime import Call, Change, Patch, add_probe
 from versionwatch._sites import _is_library, is_library, site_at
 from versionwatch._strict import hookstack as _hookstack
-from versionwatch._strict.fingerprint import STATE as _FINGERPRINTS
+from versionwatch._strict.fingerprint import FINGERPRINTS as _FINGERPRINTS
 from versionwatch._strict.fingerprint import Fingerprint
 from versionwatch._strict.fingerprint import note as _note_fingerprint
 from versionwatch._strict.fingerprint import settle as _settle_fingerprints

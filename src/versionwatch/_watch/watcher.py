@@ -36,7 +36,6 @@ from versionwatch._report import Hazard, InplaceHazardWarning, Repair, Report, S
 from versionwatch._runtime import Removable, remove_all
 from versionwatch._sites import user_frame, user_frame_from
 from versionwatch._strict import SavedRecord
-from versionwatch._strict import fingerprint as _fingerprint
 from versionwatch._timeline import Timeline, of_ledger
 from versionwatch._watch import blame as _blame
 from versionwatch._watch import forward as _forward
@@ -199,7 +198,7 @@ class Watcher:
                 if self.strict:
                     self._held.append(_strict.attach(self))
                 if fingerprint:
-                    self._held.append(_fingerprint.ANCHOR.subscribe())
+                    self._held.append(_strict.FINGERPRINT_ANCHOR.subscribe())
             except BaseException:
                 remove_all(self._held)
                 raise
