@@ -119,6 +119,21 @@ def test_a_write_to_memory_no_graph_saved_is_not_reported():
     assert reports == []
 
 
+def test_memory_is_not_reused_while_the_graph_holds_it():
+    """The record holds what the graph saved: dropped by the program, the memory stays
+    its own until the graph goes, so no other tensor is handed its bytes meanwhile."""
+    model = Scale()
+    reports: list = []
+    with versionwatch.watch(model, on_hazard=reports.append, **FP):
+        y = model(torch.tensor([1.0, 2.0, 3.0]))  # the program keeps no reference to it
+        for _ in range(20):
+            torch.empty(3).numpy()[:] = 9.0  # fresh memory, written where no counter sees
+        y.backward()
+    assert reports == []
+    assert model.weight.grad is not None
+    assert torch.equal(model.weight.grad, torch.tensor([1.0, 2.0, 3.0]))
+
+
 def test_the_report_text_exactly():
     _, (report,) = _mul_program(_numpy_write, 7.0, FP)
     line = line_of(Scale.forward, "weight * a")
