@@ -12,15 +12,18 @@ every tensor it packs, a copy of a fixed sample of its bytes
 
 The sample: up to :data:`SAMPLE` elements, spread over the tensor (every
 ``numel / 64``-th element of a contiguous one; a grid of evenly spaced indices
-along each dimension of any other layout), copied as raw bytes, so that every
-dtype compares exactly (a NaN equals itself, ``-0.0`` differs from ``0.0``).
+along each dimension of any other layout), read as one strided view of the
+storage and copied. It is compared by value and, where values differ, by raw
+bytes, so that every dtype compares exactly and a NaN equals itself (a
+``-0.0`` written over ``0.0`` compares equal by value: missed, never reported).
+It is taken once the op that saved the tensor is over (:func:`note`).
 Only the tensor's own elements are read, never the gaps of a strided view,
 which backward does not read either: a difference is always a change of what
 backward reads. A write to elements outside the sample is missed; the writes
 this is for rewrite the whole tensor.
 
-A fingerprint reads nothing that is not there: the bytes the sample spans are
-checked against the storage's size first (FSDP frees a parameter's storage
+A fingerprint reads nothing that is not there: before backward the bytes the
+sample spans are checked against the storage's size (FSDP frees a parameter's storage
 after forward and gathers it again in backward: a storage too small now is
 skipped, not reported). Subclasses (whose ops run user code), other layouts,
 meta tensors, CUDA graph capture and active Torch function or dispatch modes
