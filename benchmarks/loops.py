@@ -30,6 +30,7 @@ one thread:
               networks exist before it opens, so they are adopted at their
               first call, as in a script
   strict      ``versionwatch.watch(qnet, opt, strict=True)``
+  strict_fingerprint  the same with ``fingerprint=True`` (docs/strict.md)
   watch_python  ``watch`` with the native helper (docs/native.md) set aside for
               the block: the pure-Python default mode, in the same run
   predict_only  a watcher of an unrelated module: every backward of the loop is
@@ -264,6 +265,8 @@ CONFIGS: list[Config] = [
      lambda loop: python_only(versionwatch.watch({"model": loop.model}, loop.opt))),
     ("watch_all", lambda loop: versionwatch.watch_all()),
     ("strict", lambda loop: versionwatch.watch({"model": loop.model}, loop.opt, strict=True)),
+    ("strict_fingerprint", lambda loop: versionwatch.watch({"model": loop.model}, loop.opt,
+                                                           strict=True, fingerprint=True)),
     # The floor of the default mode: a watcher of an unrelated module is open,
     # so every backward of the loop is still predicted (exactly) and the
     # process-wide hooks run, but nothing of the loop's model is watched.

@@ -433,3 +433,27 @@ def _module_call_hooks() -> tuple[dict[Any, Any], ...] | None:
 
 MODULE_CALL_HOOKS = _module_call_hooks()
 """The global module hook dicts that decide ``_call_impl``'s fast path, or None (unknown)."""
+
+
+# --- strict fingerprints (issue #34): is a user's mode active? ------------------------
+# A fingerprint runs a few tensor ops inside strict mode's pack hook and before
+# backward; under a user's TorchFunctionMode or TorchDispatchMode those ops would
+# reach the user's mode (a FLOP counter would count them). Fingerprints step
+# aside while any mode is on the stacks; where torch has no way to tell (None),
+# they step aside always, which reports nothing rather than something wrong.
+
+
+def _modes_active() -> Callable[[], bool] | None:
+    function = getattr(torch._C, "_len_torch_function_stack", None)
+    dispatch = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    if function is None or dispatch is None:
+        return None
+
+    def active() -> bool:
+        return bool(function() or dispatch())
+
+    return active
+
+
+MODES_ACTIVE = _modes_active()
+"""Whether a TorchFunctionMode or TorchDispatchMode is active on this thread, or None."""

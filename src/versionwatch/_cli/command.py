@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 USAGE = """\
 versionwatch run [--on-hazard raise|warn|log|repair] [--json PATH] [--dot PATH] [--svg PATH]
-                 [--quiet] [--strict] [--stop-at-write] [--replay]
+                 [--quiet] [--strict [--fingerprint]] [--stop-at-write] [--replay]
                  (SCRIPT | -m MODULE | -) [ARGS...]
 versionwatch merge [--json PATH] REPORT...
 versionwatch demo
@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--strict", action="store_true",
                      help="strict mode: name the line of each write to a saved tensor, "
                      "including writes that bump no version (slower)")
+    run.add_argument("--fingerprint", action="store_true",
+                     help="with --strict: also compare a sample of each saved tensor's bytes "
+                     "before backward, for writes no version counter sees (slower)")
     run.add_argument("--stop-at-write", action="store_true",
                      help="strict mode that stops at any write to memory a live graph saved, "
                      "before it happens, even if that graph never runs backward again")
@@ -225,6 +228,9 @@ def _run(args: argparse.Namespace) -> int:
     if not args.module and not stdin and not os.path.exists(argv[0]):
         print(f"versionwatch run: can't open file {argv[0]!r}: no such file", file=sys.stderr)
         return 2
+    if args.fingerprint and not (args.strict or args.stop_at_write):
+        print("versionwatch run: --fingerprint needs strict mode: add --strict", file=sys.stderr)
+        return 2
     if args.replay:
         from versionwatch._cli.replay import refusal
 
@@ -260,7 +266,8 @@ def _run(args: argparse.Namespace) -> int:
         # As python: the script's folder, symlinks resolved.
         sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
     watcher = watch_all(on_hazard="log" if child else args.on_hazard,
-                                     strict=args.strict, stop_at_write=args.stop_at_write)
+                                     strict=args.strict, stop_at_write=args.stop_at_write,
+                                     fingerprint=args.fingerprint)
     run = _Session(args, watcher, saved_argv, saved_path0)
     if child is not None:
         watcher.replay_at = child.backward

@@ -53,10 +53,13 @@ from versionwatch._report import (
     UNSURE_ERROR,
     UNSURE_PROFILER,
     Hazard,
+    fingerprint_hazard,
 )
 from versionwatch._runtime import Anchor, Patch
+from versionwatch._strict import FINGERPRINTS as _FINGERPRINTS
 from versionwatch._strict import RECORDS as _RECORDS
 from versionwatch._strict import SavedRecord, output_of, strict_message
+from versionwatch._strict import fingerprint_changed as _fingerprint_changed
 from versionwatch._strict import unpack as _strict_unpack
 from versionwatch._torch_messages import (
     FREED,
@@ -250,12 +253,28 @@ class Checker:
             kind: Literal["inplace", "silent"] = "inplace"
         elif rec.silent:
             kind = "silent"
+        elif _FINGERPRINTS.on:  # opt-in: plain strict mode pays this one check
+            self._fingerprint(i, fn, slot, rec)
+            return
         else:
             return
         h = rec.hazard(fn.name(), slot, kind)
         if kind == "inplace":
             # PyTorch skips its check behind hooks: its words, as it would say them.
             h.torch_message = strict_message(rec, fn, slot, output_of(rec))
+        self.findings.append(Finding(i, len(self.findings), h, rec))
+
+    def _fingerprint(self, i: int, fn: Node, slot: str, rec: SavedRecord) -> None:
+        """A record at its version with no silent write seen: did its sampled bytes change?
+
+        A record that any write hit keeps that write's report (a version bump,
+        or a silent write and its line); this is only for the writes no one saw.
+        """
+        fp = getattr(rec, "fingerprint", None)
+        if fp is None or rec.writes or rec._silent or not _fingerprint_changed(rec.tensor, fp):
+            return
+        h = rec.hazard(fn.name(), slot, "silent")
+        fingerprint_hazard(h)
         self.findings.append(Finding(i, len(self.findings), h, rec))
 
     def _silent(self, i: int, fn: Node, slot: str, data: Any) -> None:

@@ -40,6 +40,7 @@ from versionwatch._report.model import (
     relative_path,
     size,
 )
+from versionwatch._report.silent import fingerprint_hazard
 from versionwatch._report.text import render_report
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "Site",
     "Writer",
     "add_note",
+    "fingerprint_hazard",
     "fix_for",
     "op_name",
     "relative_path",

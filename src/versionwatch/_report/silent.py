@@ -94,6 +94,20 @@ def _gradient_fix(h: Hazard) -> str:
 # --- fingerprint --------------------------------------------------------------
 
 
+FINGERPRINT_HIDDEN_BY = "a write no version counter sees"
+FINGERPRINT_NO_LINE = (
+    "its sampled bytes differ from those saved, and no write that strict mode sees made the "
+    "change (a C++ kernel, NumPy, DLPack, an extension, a collective): no write line is known"
+)
+
+
+def fingerprint_hazard(h: Hazard) -> None:
+    """Make ``h`` (strict mode's record of a saved tensor) a fingerprint hazard: cause and facts."""
+    h.cause = "fingerprint"
+    h.hidden_by = FINGERPRINT_HIDDEN_BY
+    h.notes += [FINGERPRINT_NO_LINE, SILENT_TAIL]
+
+
 def _fingerprint_headline(h: Hazard) -> str:
     return (
         f"versionwatch: backward will compute wrong gradients: {h.describe_tensor()} "
@@ -104,7 +118,8 @@ def _fingerprint_headline(h: Hazard) -> str:
 def _fingerprint_fix(h: Hazard) -> str:
     name = h.tensor or "the tensor"
     return (
-        f"{name} was changed by a write no version counter sees (set_(), a custom kernel or "
-        "extension, a buffer broadcast); run every backward that needs it before the change, "
-        "or re-run the forward after it"
+        f"{name} was changed by a write no version counter sees (a C++ kernel such as "
+        "BatchNorm's running-statistics update, a NumPy or DLPack alias, an extension, a "
+        "collective); run every backward that needs it before the change, or re-run the "
+        "forward after it"
     )

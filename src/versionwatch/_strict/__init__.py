@@ -3,7 +3,8 @@
 It owns the records kept of every tensor autograd saves (``records``), the write
 interception that matches each write against them before it happens (``writes``),
 each thread's step, forward and module calls (``thread``), strict mode's entries on
-PyTorch's saved-tensor hooks stack (``hookstack``), and their start and end for a
+PyTorch's saved-tensor hooks stack (``hookstack``), the opt-in samples of saved
+bytes compared before backward (``fingerprint``), and their start and end for a
 watcher (``mode``). It sits below the predictor, which reads its records, and
 declares the faces it needs of a watcher and a repairer (``StrictOwner``,
 ``StrictRepairer``) itself.
@@ -16,6 +17,9 @@ from typing import TYPE_CHECKING
 from versionwatch._package import lazy_names
 
 if TYPE_CHECKING:
+    from versionwatch._strict.fingerprint import FINGERPRINT_ANCHOR as FINGERPRINT_ANCHOR
+    from versionwatch._strict.fingerprint import FINGERPRINTS as FINGERPRINTS
+    from versionwatch._strict.fingerprint import fingerprint_changed as fingerprint_changed
     from versionwatch._strict.mode import attach as attach
     from versionwatch._strict.records import RECORDS as RECORDS
     from versionwatch._strict.records import SavedRecord as SavedRecord
@@ -33,6 +37,9 @@ _WHERE = {
     "attach": "versionwatch._strict.mode",
     "begin_step": "versionwatch._strict.thread",
     "end_step": "versionwatch._strict.thread",
+    "FINGERPRINT_ANCHOR": "versionwatch._strict.fingerprint",
+    "fingerprint_changed": "versionwatch._strict.fingerprint",
+    "FINGERPRINTS": "versionwatch._strict.fingerprint",
     "name_modules": "versionwatch._strict.records",
     "on_write": "versionwatch._strict.writes",
     "output_of": "versionwatch._strict.records",

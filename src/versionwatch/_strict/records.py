@@ -37,6 +37,10 @@ from versionwatch._report import ForwardRef, Hazard, Modification, Site, Writer
 from versionwatch._runtime import Call, Change, Patch, add_probe
 from versionwatch._sites import _is_library, is_library, site_at
 from versionwatch._strict import hookstack as _hookstack
+from versionwatch._strict.fingerprint import FINGERPRINTS as _FINGERPRINTS
+from versionwatch._strict.fingerprint import Fingerprint
+from versionwatch._strict.fingerprint import note as _note_fingerprint
+from versionwatch._strict.fingerprint import settle as _settle_fingerprints
 from versionwatch._strict.thread import THREAD, end_step
 from versionwatch._torch_messages import output_slot, result_nr, stale_message
 
@@ -50,9 +54,12 @@ class SavedRecord:
 
     # ``written_fn`` is set only by a write that hits the record (never here: a
     # slot left unset costs nothing on the forward's hot path).
-    __slots__ = ("__weakref__", "_silent", "before", "code", "forward", "ids", "line", "module",
-                 "original", "requires_grad", "tensor", "version", "writes", "written_fn")
+    __slots__ = ("__weakref__", "_silent", "before", "code", "fingerprint", "forward", "ids",
+                 "line", "module", "original", "requires_grad", "tensor", "version", "writes",
+                 "written_fn")
     written_fn: tuple[str, int]  # (grad_fn name, output_nr) after the last write that hit it
+    # Set only with fingerprints on (see _strict.fingerprint); None: none could be taken.
+    fingerprint: Fingerprint | None
 
     def __init__(self, t: torch.Tensor, module: str | None, forward: ForwardRef | None,
                  code: CodeType | None = None, line: int = 0) -> None:
@@ -217,6 +224,8 @@ def pack(t: torch.Tensor) -> SavedRecord:
                 local.lines_old, local.lines = lines, {}
     else:
         rec = SavedRecord(t, stack[-1][0] if stack else None, local.forward)
+    if _FINGERPRINTS.on:  # opt-in: plain strict mode pays this one check
+        _note_fingerprint(rec)
     if first is not None and first.f_code is _APPLY_CODE:
         _custom_output(rec, t)
     key = storage_key(t)
@@ -502,6 +511,7 @@ def _module_call(call_impl: Callable[..., object]) -> Callable[..., object]:
     fast = hooks is not None
     g1, g2, g3, g4 = hooks if hooks is not None else ({}, {}, {}, {})
     tracing = torch._C._get_tracing_state
+    fingerprints = _FINGERPRINTS
 
     @functools.wraps(call_impl)
     def _call_impl(self: nn.Module, *args: object, **kwargs: object) -> object:
@@ -519,6 +529,8 @@ def _module_call(call_impl: Callable[..., object]) -> Callable[..., object]:
             return call_impl(self, *args, **kwargs)
         finally:
             stack.pop()
+            if fingerprints.on:  # opt-in: the ops this call ran are over
+                _settle_fingerprints()
 
     return _call_impl
 

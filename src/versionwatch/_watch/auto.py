@@ -41,9 +41,10 @@ class AutoWatcher(Watcher):
     root_in_labels = True
 
     def __init__(self, on_hazard: Policy = "raise", strict: bool = False,
-                 stop_at_write: bool = False, repair_budget: int | None = None) -> None:
+                 stop_at_write: bool = False, repair_budget: int | None = None,
+                 fingerprint: bool = False) -> None:
         super().__init__({}, (), on_hazard, strict=strict, stop_at_write=stop_at_write,
-                         repair_budget=repair_budget)
+                         repair_budget=repair_budget, fingerprint=fingerprint)
         # id -> weak reference of every module adopted or skipped: asked at each
         # module call, where a WeakSet's lookup cost four times as much.
         self.seen: dict[int, weakref.ref[nn.Module]] = {}
@@ -121,7 +122,8 @@ class AutoWatcher(Watcher):
 
 
 def watch_all(on_hazard: Policy = "raise", strict: bool = False,
-              stop_at_write: bool = False, repair_budget: int | None = None) -> AutoWatcher:
+              stop_at_write: bool = False, repair_budget: int | None = None,
+              fingerprint: bool = False) -> AutoWatcher:
     """Watch every module and optimizer the program uses from now on.
 
     This is what ``versionwatch run`` and ``pytest --versionwatch`` use. Root
@@ -133,6 +135,7 @@ def watch_all(on_hazard: Policy = "raise", strict: bool = False,
         strict: as in :func:`versionwatch.watch`.
         stop_at_write: as in :func:`versionwatch.watch`.
         repair_budget: as in :func:`versionwatch.watch`.
+        fingerprint: as in :func:`versionwatch.watch` (with ``strict`` only).
 
     Example:
         >>> import torch, versionwatch
@@ -142,4 +145,4 @@ def watch_all(on_hazard: Policy = "raise", strict: bool = False,
         >>> sorted(w.ledger.by_name)
         ['model.bias', 'model.weight']
     """
-    return AutoWatcher(on_hazard, strict, stop_at_write, repair_budget)
+    return AutoWatcher(on_hazard, strict, stop_at_write, repair_budget, fingerprint)

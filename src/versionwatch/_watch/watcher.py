@@ -131,9 +131,14 @@ class Watcher:
         strict: bool = False,
         stop_at_write: bool = False,
         repair_budget: int | None = None,
+        fingerprint: bool = False,
     ) -> None:
         self.policy = resolve_policy(on_hazard)
         _check_budget(repair_budget)
+        if fingerprint and not (strict or stop_at_write):
+            raise ValueError("fingerprint=True needs strict mode: watch(..., strict=True, "
+                             "fingerprint=True)")
+        self.fingerprint = fingerprint
         self.repairer = Repairer(self, repair_budget) if self.policy == "repair" else None
         self.strict = strict or stop_at_write
         self.stop_at_write = stop_at_write
@@ -192,6 +197,8 @@ class Watcher:
                 self._held.append(ACTIVE.add(self))
                 if self.strict:
                     self._held.append(_strict.attach(self))
+                if fingerprint:
+                    self._held.append(_strict.FINGERPRINT_ANCHOR.subscribe())
             except BaseException:
                 remove_all(self._held)
                 raise
@@ -439,6 +446,7 @@ def watch(
     strict: bool = False,
     stop_at_write: bool = False,
     repair_budget: int | None = None,
+    fingerprint: bool = False,
 ) -> Watcher:
     """Watch modules (and optimizers): predict and explain every backward.
 
@@ -470,6 +478,11 @@ def watch(
             it happens, whenever it hits memory that a live graph saved, even if
             that graph never runs backward again. For debugging: it can stop
             training that PyTorch would accept.
+        fingerprint: with ``strict``, also keep a sample of the bytes of each
+            saved tensor (up to 64 elements) and compare it before backward:
+            a change that no version bump and no seen write explains (a C++
+            kernel, NumPy, an extension, a collective) is a ``silent`` hazard.
+            See "Writes no counter sees" on the "Strict mode" page. Costs more.
         repair_budget: with ``on_hazard="repair"``, the most bytes that copies
             may hold at once; default: twice the watched tensors' bytes, at
             least 64 MiB. Past it a graph gets no more copies (one warning).
@@ -482,7 +495,7 @@ def watch(
             ScriptModule (watch the module it was scripted from).
         ValueError: a module is given twice or already watched, an optimizer
             steps none of the watched parameters, or ``repair_budget`` is not
-            a number of bytes.
+            a number of bytes, or ``fingerprint`` is given without strict mode.
 
     Example:
         >>> import torch, versionwatch
@@ -511,4 +524,4 @@ def watch(
             f"got {type(modules).__name__}"
         )
     return Watcher(named, optimizers, on_hazard, strict=strict, stop_at_write=stop_at_write,
-                   repair_budget=repair_budget)
+                   repair_budget=repair_budget, fingerprint=fingerprint)
