@@ -1,0 +1,256 @@
+"""Strict mode: a hook that edits in place a gradient that another node also receives.
+
+The engine hands one gradient tensor to several consumers: ``AddBackward0``
+passes the same tensor to both of its inputs, a ``BackwardHookFunction`` passes
+its own through, and ``AccumulateGrad`` may keep the tensor it receives as
+``.grad``. A hook that modifies such a tensor in place (``g.mul_(s)`` instead of
+``return g * s``) changes what the other consumers read too, and no version
+check sees it: the gradients are silently wrong.
+
+Nothing is paid until a write happens during a backward to a tensor that could
+be a gradient in flight (no ``grad_fn``, no ``requires_grad``): the write
+interception (:mod:`writes`) calls :func:`on_gradient_write` then. It finds the
+backward's roots (the engine's caller frame, ``_engine_run_backward``, on this
+thread or, for a device thread's backward, on another), walks the graph once
+per backward, and registers a pre-hook on every node that could still read
+the written tensor; a node whose input *is* that tensor (the same
+``TensorImpl``), changed since, reads the write: that is the hazard, reported
+before that node runs. A parameter whose ``AccumulateGrad`` already kept the
+tensor as its ``.grad`` is changed at the write itself, and is reported there.
+The pre-hooks are removed when the backward ends (``queue_callback``), when
+the next backward needs them, and when the last strict watcher closes.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from versionwatch._report import Hazard, Modification, Site
+
+if TYPE_CHECKING:
+    from versionwatch._strict.writes import StrictOwner
+
+# PyTorch's frame that calls into the C++ engine (torch/autograd/graph.py).
+_ENGINE_ENTRY = "_engine_run_backward"
+# A BackwardHookFunction's backward passes its gradients through unchanged: its
+# children receive the hook's gradient as the hook meant them to.
+_PASS_THROUGH = "BackwardHookFunctionBackward"
+
+_LOCK = threading.Lock()
+
+
+@dataclass
+class _Write:
+    """One in-place write to a tensor that may be a gradient in flight."""
+
+    ref: weakref.ref[torch.Tensor]
+    before: int  # its version before the write
+    label: str
+    site: Site | None
+    receiver: Any  # the node whose hook wrote
+    reported: set[int] = field(default_factory=set)  # id() of the consumers reported
+
+
+@dataclass
+class _Task:
+    """What one backward (graph task) needs: its nodes, and the writes to watch."""
+
+    nodes: list[Any]
+    writes: list[_Write] = field(default_factory=list)
+    handles: list[Any] = field(default_factory=list)
+    hooked: bool = False
+
+
+# graph task id -> its state; a task ends through its queued callback or is
+# swept at the next backward's first write.
+_TASKS: dict[int, _Task] = {}
+
+
+def _roots_from(frame: Any) -> list[Any] | None:
+    """The ``grad_fn``s (or gradient edges' nodes) ``_engine_run_backward`` was called with."""
+    while frame is not None:
+        if frame.f_code.co_name == _ENGINE_ENTRY:
+            outputs = frame.f_locals.get("t_outputs")
+            if outputs is None:
+                return None
+            roots = []
+            for t in outputs:
+                fn = t.grad_fn if isinstance(t, torch.Tensor) else getattr(t, "node", None)
+                if fn is not None:
+                    roots.append(fn)
+            return roots
+        frame = frame.f_back
+    return None
+
+
+def _walk(roots: list[Any]) -> list[Any]:
+    """Every node reachable from ``roots``, once each."""
+    seen: set[int] = set()
+    out: list[Any] = []
+    todo = list(roots)
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        out.append(fn)
+        todo += [c for c, _ in fn.next_functions if c is not None and id(c) not in seen]
+    return out
+
+
+def _graph_of(node: Any) -> list[Any] | None:
+    """The nodes of the backward that runs ``node``: from this thread's frames, else another's."""
+    roots = _roots_from(sys._getframe(2))
+    if roots is not None:
+        return _walk(roots)
+    # A device thread's backward: the caller waits in _engine_run_backward elsewhere.
+    for frame in sys._current_frames().values():
+        roots = _roots_from(frame)
+        if roots:
+            nodes = _walk(roots)
+            if any(n is node for n in nodes):
+                return nodes
+    return None
+
+
+def _candidates(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
+    # A gradient in flight (no create_graph) has no grad_fn and needs no grad.
+    return [t for t in tensors if t.grad_fn is None and not t.requires_grad]
+
+
+def on_gradient_write(label: str, site: Site | None, tensors: Iterator[torch.Tensor],
+                      owner: StrictOwner | None) -> None:
+    """Before an in-place write during a backward: watch it if it may hit a shared gradient."""
+    targets = _candidates(tensors)
+    if not targets or owner is None:
+        return
+    node = torch._C._current_autograd_node()
+    task_id = torch._C._current_graph_task_id()
+    if node is None or task_id == -1:
+        return
+    with _LOCK:
+        task = _TASKS.get(task_id)
+    if task is None:
+        nodes = _graph_of(node)
+        if nodes is None:
+            return
+        task = _Task(nodes)
+        with _LOCK:
+            for old in [k for k in _TASKS if k != task_id]:
+                _end(old)  # a backward that raised: its callback never ran
+            _TASKS[task_id] = task
+        engine: Any = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: _end(task_id))
+    children = {id(c) for c, _ in node.next_functions if c is not None}
+    for t in targets:
+        w = _Write(weakref.ref(t), t._version, label, site, node)
+        task.writes.append(w)
+        _stored(task, w, t, node, children, owner)
+    if not task.hooked:
+        task.hooked = True
+        for n in task.nodes:
+            if n is node:
+                continue
+            task.handles.append(n.register_prehook(_reader(task, n, owner)))
+
+
+def _stored(task: _Task, w: _Write, t: torch.Tensor, node: Any, children: set[int],
+            owner: StrictOwner) -> None:
+    """A parameter whose ``AccumulateGrad`` already kept ``t`` as its ``.grad``: changed now."""
+    for n in task.nodes:
+        if n is node or (id(n) in children and node.name() == _PASS_THROUGH):
+            continue
+        variable = getattr(n, "variable", None)
+        if variable is not None and variable.grad is t:
+            w.reported.add(id(n))
+            _report(owner, task, w, n, stored=True)
+
+
+def _reader(task: _Task, consumer: Any, owner: StrictOwner) -> Any:
+    """A pre-hook for ``consumer``: does it read a watched write's tensor, changed?"""
+    ref = weakref.ref(owner)
+
+    def pre_hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        for w in list(task.writes):
+            t = w.ref()
+            if t is None or id(consumer) in w.reported or t._version == w.before:
+                continue
+            if w.receiver.name() == _PASS_THROUGH and any(
+                    c is consumer for c, _ in w.receiver.next_functions):
+                continue  # the hook's own receiver passes it on: meant to see it
+            if any(g is t for g in grad_outputs):
+                w.reported.add(id(consumer))
+                o = ref()
+                if o is not None:
+                    _report(o, task, w, consumer, stored=False)
+        return None
+
+    return pre_hook
+
+
+def _producers(task: _Task, receiver: Any, consumer: Any) -> list[str]:
+    """The nodes with an edge to both the hook's node and ``consumer``."""
+    names = []
+    for n in task.nodes:
+        nexts = [c for c, _ in n.next_functions if c is not None]
+        if any(c is receiver for c in nexts) and any(c is consumer for c in nexts):
+            names.append(n.name())
+    return names
+
+
+def _consumer_name(owner: StrictOwner, consumer: Any) -> str:
+    variable = getattr(consumer, "variable", None)
+    if variable is None:
+        return str(consumer.name())
+    names: dict[int, str] = getattr(owner, "names", None) or {}
+    name = names.get(id(variable))
+    return f"AccumulateGrad of {name}" if name else "AccumulateGrad of a leaf tensor"
+
+
+def _report(owner: StrictOwner, task: _Task, w: _Write, consumer: Any, stored: bool) -> None:
+    """Deliver the hazard through the watcher's on_hazard, as a write's report."""
+    from versionwatch._report.silent import SILENT_TAIL, gradient_consumer, silent_fix
+
+    __tracebackhide__ = True
+    t = w.ref()
+    producers = _producers(task, w.receiver, consumer)
+    h = Hazard(
+        "silent", producers[0] if producers else "", "", cause="gradient",
+        hidden_by=f"the hook at {w.site}" if w.site else "a hook",
+        detected="at_write",
+        modified_by=[Modification("inplace_op", w.label, w.site)],
+    )
+    if t is not None:
+        h.shape, h.dtype = tuple(t.shape), str(t.dtype).replace("torch.", "")
+        h.device = str(t.device)
+    h.notes.append(gradient_consumer(w.receiver.name(), _consumer_name(owner, consumer), stored))
+    h.notes.append(SILENT_TAIL)
+    h.fix = silent_fix(h)
+    owner.on_strict_write([h], [])
+
+
+def _end(task_id: int) -> None:
+    """The backward ended (or was abandoned): its pre-hooks come off."""
+    task = _TASKS.pop(task_id, None)
+    if task is not None:
+        for handle in task.handles:
+            handle.remove()
+
+
+def end_all() -> None:
+    """The last strict watcher closed: every pre-hook comes off."""
+    with _LOCK:
+        for task_id in list(_TASKS):
+            _end(task_id)
+
+
+def pending_hooks() -> int:
+    """How many node pre-hooks strict mode holds now (for tests: 0 after close)."""
+    return sum(len(t.handles) for t in _TASKS.values())
