@@ -454,7 +454,7 @@ def engine_checks_gradients() -> bool:
                 x = torch.ones(1, requires_grad=True)
                 a, b = x * 1.0, x * 1.0
                 # b's node was made last and runs first; a's then reads the write.
-                b.register_hook(lambda g: g.mul_(2))
+                b.register_hook(lambda g: g.mul_(2))  # type: ignore[no-untyped-call]
                 # The engine itself: no watcher's stand-in sees the probe.
                 engine: Any = torch.autograd.Variable._execution_engine
                 engine.run_backward((a + b,), (torch.ones(1),), False, False, (x,), False,

@@ -56,6 +56,10 @@ class _Write:
     site: Site | None
     receiver: Any  # the node whose hook wrote
     reported: set[int] = field(default_factory=set)  # id() of the consumers reported
+    # id() of the nodes that receive the tensor through the hook's own node: it
+    # hands the tensor itself on (``clone``'s backward, a custom Function that
+    # returns its gradient, a BackwardHookFunction), as the hook meant them to.
+    via: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -153,6 +157,7 @@ def on_gradient_write(label: str, site: Site | None, tensors: Iterator[torch.Ten
         w = _Write(weakref.ref(t), t._version, label, site, node)
         task.writes.append(w)
         _stored(task, w, t, node, children, owner)
+        _follow(task, w, node)
     if not task.hooked:
         task.hooked = True
         for n in task.nodes:
@@ -165,12 +170,37 @@ def _stored(task: _Task, w: _Write, t: torch.Tensor, node: Any, children: set[in
             owner: StrictOwner) -> None:
     """A parameter whose ``AccumulateGrad`` already kept ``t`` as its ``.grad``: changed now."""
     for n in task.nodes:
-        if n is node or (id(n) in children and node.name() == _PASS_THROUGH):
-            continue
+        if n is node or id(n) in children:
+            continue  # the hook's own node's children: it may have handed them the tensor
         variable = getattr(n, "variable", None)
         if variable is not None and variable.grad is t:
             w.reported.add(id(n))
             _report(owner, task, w, n, stored=True)
+
+
+def _follow(task: _Task, w: _Write, node: Any) -> None:
+    """Note which of ``node``'s children it hands the written tensor itself to."""
+    nexts = [c for c, _ in node.next_functions]
+    if not any(c is not None for c in nexts):
+        return
+    name = node.name()
+    if name == _PASS_THROUGH:
+        # Inside its own hooks a post-hook cannot be added; it passes every
+        # gradient through: each child may receive the tensor as meant.
+        w.via.update(id(c) for c in nexts if c is not None)
+        return
+    if name == "torch::autograd::AccumulateGrad":
+        return  # no children; and a post-hook would change whether it keeps the tensor
+
+    def post_hook(grad_inputs: tuple[torch.Tensor | None, ...],
+                  grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        t = w.ref()
+        if t is not None:
+            w.via.update(id(c) for c, g in zip(nexts, grad_inputs)
+                         if c is not None and g is t)
+        return None
+
+    task.handles.append(node.register_hook(post_hook))
 
 
 def _reader(task: _Task, consumer: Any, owner: StrictOwner) -> Any:
@@ -182,14 +212,15 @@ def _reader(task: _Task, consumer: Any, owner: StrictOwner) -> Any:
             t = w.ref()
             if t is None or id(consumer) in w.reported or t._version == w.before:
                 continue
-            if w.receiver.name() == _PASS_THROUGH and any(
-                    c is consumer for c, _ in w.receiver.next_functions):
-                continue  # the hook's own receiver passes it on: meant to see it
-            if any(g is t for g in grad_outputs):
-                w.reported.add(id(consumer))
-                o = ref()
-                if o is not None:
-                    _report(o, task, w, consumer, stored=False)
+            if not any(g is t for g in grad_outputs):
+                continue
+            if id(consumer) in w.via:
+                _follow(task, w, consumer)  # received through the hook's node: as meant
+                continue
+            w.reported.add(id(consumer))
+            o = ref()
+            if o is not None:
+                _report(o, task, w, consumer, stored=False)
         return None
 
     return pre_hook
