@@ -43,6 +43,8 @@ _ENGINE_ENTRY = "_engine_run_backward"
 # children receive the hook's gradient as the hook meant them to.
 _PASS_THROUGH = "BackwardHookFunctionBackward"
 
+_HOOKS_FILE = torch.utils.hooks.__file__
+
 _LOCK = threading.Lock()
 
 
@@ -178,6 +180,20 @@ def _stored(task: _Task, w: _Write, t: torch.Tensor, node: Any, children: set[in
             _report(owner, task, w, n, stored=True)
 
 
+def _grad_input_of_hook() -> tuple[Any, ...] | None:
+    """``grad_input`` of torch's BackwardHook post-hook running on this thread, if one is."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "hook" and code.co_filename == _HOOKS_FILE:
+            found = frame.f_locals.get("grad_input")
+            return tuple(found) if isinstance(found, (tuple, list)) else None
+        if code.co_name == _ENGINE_ENTRY:
+            return None
+        frame = frame.f_back
+    return None
+
+
 def _follow(task: _Task, w: _Write, node: Any) -> None:
     """Note which of ``node``'s children it hands the written tensor itself to."""
     nexts = [c for c, _ in node.next_functions]
@@ -185,9 +201,14 @@ def _follow(task: _Task, w: _Write, node: Any) -> None:
         return
     name = node.name()
     if name == _PASS_THROUGH:
-        # Inside its own hooks a post-hook cannot be added; it passes every
-        # gradient through: each child may receive the tensor as meant.
-        w.via.update(id(c) for c in nexts if c is not None)
+        # It hands each gradient through unchanged, and a post-hook cannot be
+        # added inside its own hooks. In a full backward hook (BackwardHook's
+        # post-hook, whose frame holds the node's outputs as ``grad_input``) the
+        # children at the slots that hold the tensor receive it; elsewhere every
+        # child may.
+        outputs = _grad_input_of_hook()
+        w.via.update(id(c) for i, c in enumerate(nexts) if c is not None and (
+            outputs is None or (i < len(outputs) and outputs[i] is w.ref())))
         return
     if name == "torch::autograd::AccumulateGrad":
         return  # no children; and a post-hook would change whether it keeps the tensor
@@ -227,13 +248,15 @@ def _reader(task: _Task, consumer: Any, owner: StrictOwner) -> Any:
 
 
 def _producers(task: _Task, receiver: Any, consumer: Any) -> list[str]:
-    """The nodes with an edge to both the hook's node and ``consumer``."""
-    names = []
+    """The node that handed the tensor to ``consumer``: one with an edge to both, else
+    the one other node with an edge to ``consumer``."""
+    both, others = [], []
     for n in task.nodes:
         nexts = [c for c, _ in n.next_functions if c is not None]
-        if any(c is receiver for c in nexts) and any(c is consumer for c in nexts):
-            names.append(n.name())
-    return names
+        if n is receiver or not any(c is consumer for c in nexts):
+            continue
+        (both if any(c is receiver for c in nexts) else others).append(str(n.name()))
+    return both or (others if len(others) == 1 else [])
 
 
 def _consumer_name(owner: StrictOwner, consumer: Any) -> str:
@@ -261,7 +284,8 @@ def _report(owner: StrictOwner, task: _Task, w: _Write, consumer: Any, stored: b
     if t is not None:
         h.shape, h.dtype = tuple(t.shape), str(t.dtype).replace("torch.", "")
         h.device = str(t.device)
-    h.notes.append(gradient_consumer(w.receiver.name(), _consumer_name(owner, consumer), stored))
+    h.notes.append(gradient_consumer(_consumer_name(owner, w.receiver),
+                                     _consumer_name(owner, consumer), stored))
     h.notes.append(SILENT_TAIL)
     h.fix = silent_fix(h)
     owner.on_strict_write([h], [])
