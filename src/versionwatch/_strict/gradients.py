@@ -250,7 +250,8 @@ def _reader(task: _Task, consumer: Any, owner: StrictOwner) -> Any:
 def _producers(task: _Task, receiver: Any, consumer: Any) -> list[str]:
     """The node that handed the tensor to ``consumer``: one with an edge to both, else
     the one other node with an edge to ``consumer``."""
-    both, others = [], []
+    both: list[str] = []
+    others: list[str] = []
     for n in task.nodes:
         nexts = [c for c, _ in n.next_functions if c is not None]
         if n is receiver or not any(c is consumer for c in nexts):
