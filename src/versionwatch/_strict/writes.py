@@ -279,14 +279,14 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
 
 def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     name = attr
-    registry, local, owners = RECORDS, THREAD, OWNERS
+    registry, local, owners, in_backward = RECORDS, THREAD, OWNERS, _in_backward
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         # A checked step's own writes are skipped; one that raised has left its
         # window, and in_step() finds its frame gone (ending the step).
-        if (registry or owners) and (not local.step_checked or not in_step()):
+        if (registry or (owners and in_backward() != -1)) and (not local.step_checked or not in_step()):
             hits = on_write(name, args, kwargs)
             if hits:
                 out = fn(*args, **kwargs)
