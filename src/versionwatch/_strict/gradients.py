@@ -57,7 +57,7 @@ class _Write:
     label: str
     site: Site | None
     receiver: Any  # the node whose hook wrote
-    reported: set[int] = field(default_factory=set)  # id() of the consumers reported
+    reported: bool = False  # one report a write: at the first other node that reads it
     # id() of the nodes that receive the tensor through the hook's own node: it
     # hands the tensor itself on (``clone``'s backward, a custom Function that
     # returns its gradient, a BackwardHookFunction), as the hook meant them to.
@@ -72,6 +72,7 @@ class _Task:
     writes: list[_Write] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)
     hooked: bool = False
+    parents: dict[int, list[Any]] | None = None  # id() of a node -> the nodes with an edge to it
 
 
 # graph task id -> its state; a task ends through its queued callback or is
@@ -175,8 +176,8 @@ def _stored(task: _Task, w: _Write, t: torch.Tensor, node: Any, children: set[in
         if n is node or id(n) in children:
             continue  # the hook's own node's children: it may have handed them the tensor
         variable = getattr(n, "variable", None)
-        if variable is not None and variable.grad is t:
-            w.reported.add(id(n))
+        if variable is not None and variable.grad is t and not w.reported:
+            w.reported = True
             _report(owner, task, w, n, stored=True)
 
 
@@ -231,14 +232,14 @@ def _reader(task: _Task, consumer: Any, owner: StrictOwner) -> Any:
     def pre_hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         for w in list(task.writes):
             t = w.ref()
-            if t is None or id(consumer) in w.reported or t._version == w.before:
+            if t is None or w.reported or t._version == w.before:
                 continue
             if not any(g is t for g in grad_outputs):
                 continue
             if id(consumer) in w.via:
                 _follow(task, w, consumer)  # received through the hook's node: as meant
                 continue
-            w.reported.add(id(consumer))
+            w.reported = True
             o = ref()
             if o is not None:
                 _report(o, task, w, consumer, stored=False)
@@ -250,14 +251,16 @@ def _reader(task: _Task, consumer: Any, owner: StrictOwner) -> Any:
 def _producers(task: _Task, receiver: Any, consumer: Any) -> list[str]:
     """The node that handed the tensor to ``consumer``: one with an edge to both, else
     the one other node with an edge to ``consumer``."""
-    both: list[str] = []
-    others: list[str] = []
-    for n in task.nodes:
-        nexts = [c for c, _ in n.next_functions if c is not None]
-        if n is receiver or not any(c is consumer for c in nexts):
-            continue
-        (both if any(c is receiver for c in nexts) else others).append(str(n.name()))
-    return both or (others if len(others) == 1 else [])
+    if task.parents is None:
+        task.parents = {}
+        for n in task.nodes:
+            for c, _ in n.next_functions:
+                if c is not None:
+                    task.parents.setdefault(id(c), []).append(n)
+    above = {id(n) for n in task.parents.get(id(receiver), [])}
+    others = [n for n in task.parents.get(id(consumer), []) if n is not receiver]
+    both = [str(n.name()) for n in others if id(n) in above]
+    return both or ([str(others[0].name())] if len(others) == 1 else [])
 
 
 def _consumer_name(owner: StrictOwner, consumer: Any) -> str:

@@ -285,8 +285,10 @@ def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         # A checked step's own writes are skipped; one that raised has left its
-        # window, and in_step() finds its frame gone (ending the step).
-        if (registry or (owners and in_backward() != -1)) and (not local.step_checked or not in_step()):
+        # window, and in_step() finds its frame gone (ending the step). During a
+        # backward every write is looked at: it may hit a gradient in flight.
+        if (registry or (owners and in_backward() != -1)) and (
+                not local.step_checked or not in_step()):
             hits = on_write(name, args, kwargs)
             if hits:
                 out = fn(*args, **kwargs)
