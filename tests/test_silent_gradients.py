@@ -97,6 +97,30 @@ def test_under_raise_the_backward_stops_before_the_node_that_would_read_the_writ
     assert gradients.pending_hooks() == 0
 
 
+def parameter_skip(inplace: bool) -> torch.Tensor:
+    """``w + sin(3w)``: the skip path's node is the parameter's own AccumulateGrad."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+    w = lin.weight
+    b = (w * 3).sin()
+    b.register_hook((lambda g: g.mul_(0.5)) if inplace else (lambda g: g * 0.5))
+    reports: list = []
+    with versionwatch.watch(lin, strict=True, on_hazard=reports.append):
+        ((w + b) * 2).sum().backward()
+    parameter_skip.reports = reports  # type: ignore[attr-defined]
+    return w.grad
+
+
+def test_the_other_node_is_named_by_the_parameter_it_accumulates_into():
+    reference = parameter_skip(False)
+    assert parameter_skip.reports == []  # type: ignore[attr-defined]
+    plain = parameter_skip(True)  # watched; the tests above check that watching changes nothing
+    assert not torch.equal(plain, reference)
+    (report,) = parameter_skip.reports  # type: ignore[attr-defined]
+    assert report.first.notes[0] == ("the hook runs for SinBackward0; AccumulateGrad of "
+                                     "lin.weight reads the same tensor after the write")
+
+
 def clone_pass_through(inplace: bool) -> torch.Tensor:
     """``clone``'s backward hands the hook's gradient itself on: only as the hook meant."""
     torch.manual_seed(0)

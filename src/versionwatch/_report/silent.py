@@ -93,11 +93,8 @@ def _gradient_fix(h: Hazard) -> str:
             "it in place (`g.mul_(scale)`)")
 
 
-def gradient_consumer(receiver: str, consumer: str, stored: bool) -> str:
-    """The fact line: whose hook wrote, and which other node sees the write."""
-    if stored:
-        return (f"the hook runs for {receiver}; {consumer} had already kept the same tensor "
-                "as its .grad, which the write changes")
+def gradient_consumer(receiver: str, consumer: str) -> str:
+    """The fact line: whose hook wrote, and which other node reads the write."""
     return f"the hook runs for {receiver}; {consumer} reads the same tensor after the write"
 
 

@@ -15,8 +15,9 @@ thread or, for a device thread's backward, on another), walks the graph once
 per backward, and registers a pre-hook on every node that could still read
 the written tensor; a node whose input *is* that tensor (the same
 ``TensorImpl``), changed since, reads the write: that is the hazard, reported
-before that node runs. A parameter whose ``AccumulateGrad`` already kept the
-tensor as its ``.grad`` is changed at the write itself, and is reported there.
+before that node runs. (``AccumulateGrad`` keeps the tensor it receives as
+``.grad`` only when no other node holds it, else a copy: another parameter's
+``.grad`` is never the shared tensor, in every tested release.)
 The pre-hooks are removed when the backward ends (``queue_callback``), when
 the next backward needs them, and when the last strict watcher closes.
 """
@@ -155,11 +156,9 @@ def on_gradient_write(label: str, site: Site | None, tensors: Iterator[torch.Ten
             _TASKS[task_id] = task
         engine: Any = torch.autograd.Variable._execution_engine
         engine.queue_callback(lambda: _end(task_id))
-    children = {id(c) for c, _ in node.next_functions if c is not None}
     for t in targets:
         w = _Write(weakref.ref(t), t._version, label, site, node)
         task.writes.append(w)
-        _stored(task, w, t, node, children, owner)
         _follow(task, w, node)
     if not task.hooked:
         task.hooked = True
@@ -167,18 +166,6 @@ def on_gradient_write(label: str, site: Site | None, tensors: Iterator[torch.Ten
             if n is node:
                 continue
             task.handles.append(n.register_prehook(_reader(task, n, owner)))
-
-
-def _stored(task: _Task, w: _Write, t: torch.Tensor, node: Any, children: set[int],
-            owner: StrictOwner) -> None:
-    """A parameter whose ``AccumulateGrad`` already kept ``t`` as its ``.grad``: changed now."""
-    for n in task.nodes:
-        if n is node or id(n) in children:
-            continue  # the hook's own node's children: it may have handed them the tensor
-        variable = getattr(n, "variable", None)
-        if variable is not None and variable.grad is t and not w.reported:
-            w.reported = True
-            _report(owner, task, w, n, stored=True)
 
 
 def _grad_input_of_hook() -> tuple[Any, ...] | None:
@@ -242,7 +229,7 @@ def _reader(task: _Task, consumer: Any, owner: StrictOwner) -> Any:
             w.reported = True
             o = ref()
             if o is not None:
-                _report(o, task, w, consumer, stored=False)
+                _report(o, task, w, consumer)
         return None
 
     return pre_hook
@@ -272,7 +259,7 @@ def _consumer_name(owner: StrictOwner, consumer: Any) -> str:
     return f"AccumulateGrad of {name}" if name else "AccumulateGrad of a leaf tensor"
 
 
-def _report(owner: StrictOwner, task: _Task, w: _Write, consumer: Any, stored: bool) -> None:
+def _report(owner: StrictOwner, task: _Task, w: _Write, consumer: Any) -> None:
     """Deliver the hazard through the watcher's on_hazard, as a write's report."""
     from versionwatch._report.silent import SILENT_TAIL, gradient_consumer, silent_fix
 
@@ -289,7 +276,7 @@ def _report(owner: StrictOwner, task: _Task, w: _Write, consumer: Any, stored: b
         h.shape, h.dtype = tuple(t.shape), str(t.dtype).replace("torch.", "")
         h.device = str(t.device)
     h.notes.append(gradient_consumer(_consumer_name(owner, w.receiver),
-                                     _consumer_name(owner, consumer), stored))
+                                     _consumer_name(owner, consumer)))
     h.notes.append(SILENT_TAIL)
     h.fix = silent_fix(h)
     owner.on_strict_write([h], [])
