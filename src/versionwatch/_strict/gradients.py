@@ -152,7 +152,10 @@ def on_gradient_write(label: str, site: Site | None, tensors: Iterator[torch.Ten
         task = _Task(nodes)
         with _LOCK:
             for old in [k for k in _TASKS if k != task_id]:
-                _end(old)  # a backward that raised: its callback never ran
+                # A backward that raised (its callback never ran), or one running
+                # on another thread now, which then reports nothing more: a miss,
+                # never a false report.
+                _end(old)
             _TASKS[task_id] = task
         engine: Any = torch.autograd.Variable._execution_engine
         engine.queue_callback(lambda: _end(task_id))
