@@ -354,3 +354,18 @@ def test_cuda_hooks_run_on_a_device_thread_and_are_seen():
     (report,) = reports
     assert report.first.device == "cuda:0"
     assert "on cuda:0" in str(report)
+
+
+def test_the_probe_says_what_this_torch_does():
+    """_compat's probe against the same program run plainly: raises, or computes it wrong."""
+    x = torch.ones(1, requires_grad=True)
+    a, b = x * 1.0, x * 1.0
+    b.register_hook(lambda g: g.mul_(2))
+    try:
+        (a + b).backward()
+    except RuntimeError:
+        raised = True
+    else:
+        raised = False
+        assert x.grad.item() == 4.0, "b's node ran first; a's read the doubled gradient"
+    assert engine_checks_gradients() is raised
