@@ -69,6 +69,7 @@ class _Write:
 class _Task:
     """What one backward (graph task) needs: its nodes, and the writes to watch."""
 
+    task_id: int
     nodes: list[Any]
     writes: list[_Write] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)
@@ -128,15 +129,15 @@ def _graph_of(node: Any) -> list[Any] | None:
     return None
 
 
-def _candidates(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
+def candidates(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
+    """Of the tensors a write hits, those that may be gradients in flight."""
     # A gradient in flight (no create_graph) has no grad_fn and needs no grad.
     return [t for t in tensors if t.grad_fn is None and not t.requires_grad]
 
 
-def on_gradient_write(label: str, site: Site | None, tensors: Iterator[torch.Tensor],
+def on_gradient_write(label: str, site: Site | None, targets: list[torch.Tensor],
                       owner: StrictOwner | None) -> None:
     """Before an in-place write during a backward: watch it if it may hit a shared gradient."""
-    targets = _candidates(tensors)
     if not targets or owner is None:
         return
     node = torch._C._current_autograd_node()
@@ -149,7 +150,7 @@ def on_gradient_write(label: str, site: Site | None, tensors: Iterator[torch.Ten
         nodes = _graph_of(node)
         if nodes is None:
             return
-        task = _Task(nodes)
+        task = _Task(task_id, nodes)
         with _LOCK:
             for old in [k for k in _TASKS if k != task_id]:
                 # A backward that raised (its callback never ran), or one running
@@ -220,6 +221,8 @@ def _reader(task: _Task, consumer: Any, owner: StrictOwner) -> Any:
     ref = weakref.ref(owner)
 
     def pre_hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        if torch._C._current_graph_task_id() != task.task_id:
+            return None  # left by a backward that raised, on a graph run again
         for w in list(task.writes):
             t = w.ref()
             if t is None or w.reported or t._version == w.before:

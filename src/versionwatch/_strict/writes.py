@@ -31,7 +31,7 @@ from versionwatch._compat import engine_checks_gradients, jit_builtins
 from versionwatch._report import Modification, Site, Writer
 from versionwatch._runtime import Change, Entry, Patch, Registry
 from versionwatch._sites import site_at, user_frames, user_site
-from versionwatch._strict.gradients import on_gradient_write
+from versionwatch._strict.gradients import candidates, on_gradient_write
 from versionwatch._strict.records import (
     RECORDS,
     SavedRecord,
@@ -202,8 +202,10 @@ def _gradient_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     __tracebackhide__ = True
     if engine_checks_gradients():
         return  # PyTorch raises for it itself
-    label = _LABELS.get(name, f"{name}()" if not name.endswith(")") else name)
-    on_gradient_write(label, user_site(), written_tensors(name, args, kwargs), OWNERS.newest())
+    targets = candidates(written_tensors(name, args, kwargs))
+    if targets:
+        label = _LABELS.get(name, f"{name}()" if not name.endswith(")") else name)
+        on_gradient_write(label, user_site(), targets, OWNERS.newest())
 
 
 def written(hits: _Hits) -> None:
