@@ -450,7 +450,8 @@ def engine_checks_gradients() -> bool:
     if not _ENGINE_CHECKS_GRADIENTS:
         _ENGINE_CHECKS_GRADIENTS.append(False)  # while probing: a write here is not reported
         try:
-            with torch.enable_grad():
+            # Under the caller's inference_mode or no_grad no graph would be built.
+            with torch.inference_mode(False), torch.enable_grad():
                 x = torch.ones(1, requires_grad=True)
                 a, b = x * 1.0, x * 1.0
                 # b's node was made last and runs first; a's then reads the write.
@@ -459,6 +460,7 @@ def engine_checks_gradients() -> bool:
                 engine: Any = torch.autograd.Variable._execution_engine
                 engine.run_backward((a + b,), (torch.ones(1),), False, False, (x,), False,
                                     False)
-        except RuntimeError:
-            _ENGINE_CHECKS_GRADIENTS[0] = True
+        except RuntimeError as e:
+            # PyTorch's words for a stale tensor; any other failure says nothing.
+            _ENGINE_CHECKS_GRADIENTS[0] = "inplace operation" in str(e)
     return _ENGINE_CHECKS_GRADIENTS[0]
