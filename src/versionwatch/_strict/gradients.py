@@ -71,7 +71,7 @@ class _Task:
 
     task_id: int
     nodes: list[Any]
-    writes: list[_Write] = field(default_factory=list)
+    writes: dict[int, list[_Write]] = field(default_factory=dict)  # by id() of the tensor
     handles: list[Any] = field(default_factory=list)
     hooked: bool = False
     parents: dict[int, list[Any]] | None = None  # id() of a node -> the nodes with an edge to it
@@ -118,15 +118,23 @@ def _graph_of(node: Any) -> list[Any] | None:
     """The nodes of the backward that runs ``node``: from this thread's frames, else another's."""
     roots = _roots_from(sys._getframe(2))
     if roots is not None:
-        return _walk(roots)
+        nodes = _walk_with(roots, node)
+        if nodes is not None:
+            return nodes
     # A device thread's backward: the caller waits in _engine_run_backward elsewhere.
     for frame in sys._current_frames().values():
         roots = _roots_from(frame)
         if roots:
-            nodes = _walk(roots)
-            if any(n is node for n in nodes):
+            nodes = _walk_with(roots, node)
+            if nodes is not None:
                 return nodes
     return None
+
+
+def _walk_with(roots: list[Any], node: Any) -> list[Any] | None:
+    """The nodes reachable from ``roots``, if ``node`` is one of them."""
+    nodes = _walk(roots)
+    return nodes if any(n is node for n in nodes) else None
 
 
 def candidates(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
@@ -162,7 +170,7 @@ def on_gradient_write(label: str, site: Site | None, targets: list[torch.Tensor]
         engine.queue_callback(lambda: _end(task_id))
     for t in targets:
         w = _Write(weakref.ref(t), t._version, label, site, node)
-        task.writes.append(w)
+        task.writes.setdefault(id(t), []).append(w)
         _follow(task, w, node)
     if not task.hooked:
         task.hooked = True
@@ -223,19 +231,21 @@ def _reader(task: _Task, consumer: Any, owner: StrictOwner) -> Any:
     def pre_hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         if torch._C._current_graph_task_id() != task.task_id:
             return None  # left by a backward that raised, on a graph run again
-        for w in list(task.writes):
-            t = w.ref()
-            if t is None or w.reported or t._version == w.before:
+        writes = task.writes
+        for g in grad_outputs:
+            if g is None:
                 continue
-            if not any(g is t for g in grad_outputs):
-                continue
-            if id(consumer) in w.via:
-                _follow(task, w, consumer)  # received through the hook's node: as meant
-                continue
-            w.reported = True
-            o = ref()
-            if o is not None:
-                _report(o, task, w, consumer)
+            for w in writes.get(id(g), ()):
+                # The very tensor written (an id is reused only once it is dead).
+                if w.ref() is not g or w.reported or g._version == w.before:
+                    continue
+                if id(consumer) in w.via:
+                    _follow(task, w, consumer)  # received through the hook's node: as meant
+                    continue
+                w.reported = True
+                o = ref()
+                if o is not None:
+                    _report(o, task, w, consumer)
         return None
 
     return pre_hook
