@@ -169,7 +169,7 @@ def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     With ``stop_at_write`` it reports there too, and raises under ``raise``.
     """
     __tracebackhide__ = True
-    if OWNERS and not THREAD.busy and _in_backward() != -1:
+    if _in_backward() != -1 and OWNERS and not THREAD.busy:
         # A hook's write during a backward may hit a gradient that other nodes
         # also receive (:mod:`gradients`).
         THREAD.busy = True
@@ -289,7 +289,7 @@ def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         # A checked step's own writes are skipped; one that raised has left its
         # window, and in_step() finds its frame gone (ending the step). During a
         # backward every write is looked at: it may hit a gradient in flight.
-        if (registry or (owners and in_backward() != -1)) and (
+        if (registry or (in_backward() != -1 and owners)) and (
                 not local.step_checked or not in_step()):
             hits = on_write(name, args, kwargs)
             if hits:
