@@ -18,6 +18,7 @@ from torch import nn
 import versionwatch
 from versionwatch import InplaceModificationError
 from versionwatch._compat import engine_checks_gradients
+from versionwatch._runtime import installed
 from versionwatch._strict import gradients
 
 pytestmark = pytest.mark.skipif(
@@ -317,6 +318,7 @@ def test_watched_training_is_bitwise_plain_and_leaves_no_hook():
     assert all(torch.equal(a, b) for a, b in zip(plain, watched_weights))
     assert [r.first.cause for r in reports] == ["gradient"] * 3
     assert gradients.pending_hooks() == 0
+    assert installed() == {}, "nothing of versionwatch's is left"
     # A retained graph whose backward was watched runs again, after close,
     # with no node hook of strict mode's left on it.
     x = torch.randn(3, requires_grad=True)

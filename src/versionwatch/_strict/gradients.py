@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from versionwatch._report import Hazard, Modification, Site
+from versionwatch._runtime import add_probe
 
 if TYPE_CHECKING:
     from versionwatch._strict.writes import StrictOwner
@@ -316,3 +317,7 @@ def end_all() -> None:
 def pending_hooks() -> int:
     """How many node pre-hooks strict mode holds now (for tests: 0 after close)."""
     return sum(len(t.handles) for t in _TASKS.values())
+
+
+# versionwatch.installed() counts them: none once the backwards and watchers are done.
+add_probe("gradient node hooks", pending_hooks)
