@@ -207,8 +207,8 @@ def test_a_full_backward_pre_hook_that_edits_grad_output_in_place_is_reported():
     (report,) = reports
     h = report.first
     assert h.modified_by[0].site.line == line_of(pre_hook_program, "grad_output[0].mul_(0.5)")
-    assert h.notes == ["the hook runs for BackwardHookFunctionBackward; AddmmBackward0 reads "
-                       "the same tensor after the write", TAIL]
+    assert h.notes == ["the hook runs for a Linear; AddmmBackward0 reads the same tensor "
+                       "after the write", TAIL]
     assert h.node == "AddBackward0"
 
 

@@ -59,6 +59,7 @@ class _Write:
     label: str
     site: Site | None
     receiver: Any  # the node whose hook wrote
+    receiver_name: str  # it, in the user's words where known (a module's hooks: the module)
     reported: bool = False  # one report a write: at the first other node that reads it
     # id() of the nodes that receive the tensor through the hook's own node: it
     # hands the tensor itself on (``clone``'s backward, a custom Function that
@@ -169,8 +170,9 @@ def on_gradient_write(label: str, site: Site | None, targets: list[torch.Tensor]
             _TASKS[task_id] = task
         engine: Any = torch.autograd.Variable._execution_engine
         engine.queue_callback(lambda: _end(task_id))
+    who = _hooked_module(owner) or _consumer_name(owner, node)
     for t in targets:
-        w = _Write(weakref.ref(t), t._version, label, site, node)
+        w = _Write(weakref.ref(t), t._version, label, site, node, who)
         task.writes.setdefault(id(t), []).append(w)
         _follow(task, w, node)
     if not task.hooked:
@@ -189,6 +191,28 @@ def _grad_input_of_hook() -> tuple[Any, ...] | None:
         if code.co_name == "hook" and code.co_filename == _HOOKS_FILE:
             found = frame.f_locals.get("grad_input")
             return tuple(found) if isinstance(found, (tuple, list)) else None
+        if code.co_name == _ENGINE_ENTRY:
+            return None
+        frame = frame.f_back
+    return None
+
+
+def _hooked_module(owner: StrictOwner) -> str | None:
+    """A module's backward hook writing: ``block.1.inner (Linear)``, from torch's BackwardHook."""
+    frame: Any = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == _HOOKS_FILE and code.co_name == "hook":
+            module = getattr(frame.f_locals.get("self"), "module", None)
+            if not isinstance(module, torch.nn.Module):
+                return None
+            kind = type(module).__name__
+            names: dict[int, str] = getattr(owner, "names", None) or {}
+            for pname, p in module.named_parameters():
+                full = names.get(id(p))
+                if full is not None and full.endswith("." + pname):
+                    return f"{full[:-len(pname) - 1]} ({kind})"
+            return f"a {kind}"
         if code.co_name == _ENGINE_ENTRY:
             return None
         frame = frame.f_back
@@ -292,8 +316,7 @@ def _report(owner: StrictOwner, task: _Task, w: _Write, consumer: Any) -> None:
     if t is not None:
         h.shape, h.dtype = tuple(t.shape), str(t.dtype).replace("torch.", "")
         h.device = str(t.device)
-    h.notes.append(gradient_consumer(_consumer_name(owner, w.receiver),
-                                     _consumer_name(owner, consumer)))
+    h.notes.append(gradient_consumer(w.receiver_name, _consumer_name(owner, consumer)))
     h.notes.append(SILENT_TAIL)
     h.fix = silent_fix(h)
     owner.on_strict_write([h], [])
