@@ -35,6 +35,7 @@ import torch
 
 from versionwatch._report import Hazard, Modification, Site
 from versionwatch._runtime import add_probe
+from versionwatch._strict.thread import THREAD
 
 if TYPE_CHECKING:
     from versionwatch._strict.writes import StrictOwner
@@ -319,7 +320,11 @@ def _report(owner: StrictOwner, task: _Task, w: _Write, consumer: Any) -> None:
     h.notes.append(gradient_consumer(w.receiver_name, _consumer_name(owner, consumer)))
     h.notes.append(SILENT_TAIL)
     h.fix = silent_fix(h)
-    owner.on_strict_write([h], [])
+    prior, THREAD.busy = THREAD.busy, True  # the report's own writes are not the user's
+    try:
+        owner.on_strict_write([h], [])
+    finally:
+        THREAD.busy = prior
 
 
 def _end(task_id: int) -> None:
