@@ -457,3 +457,34 @@ def _modes_active() -> Callable[[], bool] | None:
 
 MODES_ACTIVE = _modes_active()
 """Whether a TorchFunctionMode or TorchDispatchMode is active on this thread, or None."""
+
+
+# --- Gradients edited in place by a hook (issue #34, cause "gradient") -------------
+# PyTorch's PR #178293 (unmerged as far as we know) proposed that the engine record
+# each gradient's version when its input buffer is finalized and check it when the
+# next node consumes it. Where a torch does, it raises itself for a hook's in-place
+# edit of a shared gradient, and strict mode reports nothing of its own. A probe,
+# run once on first use: a hook scales in place the gradient that AddBackward0
+# hands to both of its inputs, before the other input's node reads it.
+_ENGINE_CHECKS_GRADIENTS: list[bool] = []
+
+
+def engine_checks_gradients() -> bool:
+    """Whether this torch raises for a hook's in-place edit of a shared gradient."""
+    if not _ENGINE_CHECKS_GRADIENTS:
+        _ENGINE_CHECKS_GRADIENTS.append(False)  # while probing: a write here is not reported
+        try:
+            # Under the caller's inference_mode or no_grad no graph would be built.
+            with torch.inference_mode(False), torch.enable_grad():
+                x = torch.ones(1, requires_grad=True)
+                a, b = x * 1.0, x * 1.0
+                # b's node was made last and runs first; a's then reads the write.
+                b.register_hook(lambda g: g.mul_(2))  # type: ignore[no-untyped-call]
+                # The engine itself: no watcher's stand-in sees the probe.
+                engine: Any = torch.autograd.Variable._execution_engine
+                engine.run_backward((a + b,), (torch.ones(1),), False, False, (x,), False,
+                                    False)
+        except RuntimeError as e:
+            # PyTorch's words for a stale tensor; any other failure says nothing.
+            _ENGINE_CHECKS_GRADIENTS[0] = "inplace operation" in str(e)
+    return _ENGINE_CHECKS_GRADIENTS[0]

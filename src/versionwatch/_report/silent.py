@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from versionwatch._report.model import Hazard
 
-__all__ = ["SILENT_TAIL", "silent_fix", "silent_headline"]
+__all__ = ["SILENT_TAIL", "gradient_consumer", "gradient_facts", "silent_fix", "silent_headline"]
 
 SILENT_TAIL = "PyTorch will not raise, and the gradients would be wrong"
 """What every silent report says of the outcome (a fact line of its own)."""
@@ -80,15 +80,36 @@ def _checkpoint_fix(h: Hazard) -> str:
 
 
 def _gradient_headline(h: Hazard) -> str:
+    where = h.hidden_by or "a hook"
+    by = f" that {h.node} passes on" if h.node else ""
     return (
-        f"versionwatch: backward will compute wrong gradients: a hook modified in place "
-        f"the gradient that {h.node} passes on, which other consumers also receive"
+        f"versionwatch: backward would compute wrong gradients: {where} modified in place "
+        f"the gradient{by}, which another node also receives"
     )
 
 
 def _gradient_fix(h: Hazard) -> str:
     return ("return a new gradient from the hook (`return g * scale`) instead of modifying "
             "it in place (`g.mul_(scale)`)")
+
+
+def gradient_consumer(receiver: str, consumer: str) -> str:
+    """The fact line: whose hook wrote, and which other node reads the write."""
+    return f"the hook runs for {receiver}; {consumer} reads the same tensor after the write"
+
+
+def gradient_facts(h: Hazard) -> list[tuple[str, str]]:
+    """The facts of a ``gradient`` hazard: the gradient, the hook's write, who else sees it."""
+    meta = f"{h.dtype}{list(h.shape)}" if h.dtype is not None and h.shape is not None else ""
+    if h.device and h.device != "cpu":
+        meta += f" on {h.device}"
+    what = f"the gradient that {h.node} passes on" if h.node else "a gradient in flight"
+    facts = [("gradient", f"{what}, {meta}" if meta else what)]
+    for m in h.modified_by:
+        code = f": {m.site.code}" if m.site and m.site.code else ""
+        facts.append(("write", f"{m.description} at {m.site}{code}" if m.site else m.description))
+    facts += [("note", note) for note in h.notes]
+    return facts
 
 
 # --- fingerprint --------------------------------------------------------------

@@ -14,13 +14,15 @@ import re
 from versionwatch._report import dot as _dot  # noqa: F401  (loads and registers the Graphviz renderer)
 from versionwatch._report.advice import rewrite_for
 from versionwatch._report.model import UNSURE_HOOKS, Hazard, Report, register_renderer
-from versionwatch._report.silent import silent_headline
+from versionwatch._report.silent import gradient_facts, silent_headline
 from versionwatch._report.source_lines import without_comment
 
 __all__ = ["fix_line", "render_report"]
 
 
 def _headline(report: Report, h: Hazard) -> str:
+    if h.detected == "at_write" and h.cause == "gradient":
+        return silent_headline(h)
     if h.detected == "at_write":
         write = h.modified_by[0] if h.modified_by else None
         what = f"{write.description} at {write.site}" if write and write.site else "this write"
@@ -141,6 +143,8 @@ def _freed_facts(h: Hazard, report: Report) -> list[tuple[str, str]]:
 
 
 def _facts(h: Hazard, report: Report | None = None) -> list[tuple[str, str]]:
+    if h.cause == "gradient":
+        return gradient_facts(h)
     if h.detected == "at_write":
         return _write_facts(h)
     facts: list[tuple[str, str]] = []

@@ -14,6 +14,8 @@ Installed only while a strict watcher is open (:data:`ANCHOR`), in three parts:
 A write is only recorded: whether it matters is known when a backward would
 unpack what it changed, and the prediction before that backward reads the
 records. ``stop_at_write`` also reports at the write, before it happens.
+A hook's in-place write to a gradient that other nodes also receive is
+reported when such a node reads it (:mod:`_strict.gradients`).
 
 Writes made inside C++ kernels (BatchNorm's running stats) are not seen;
 inside ``torch.compile`` regions a write is placed at the compiled function.
@@ -24,7 +26,9 @@ is the one the rest of versionwatch imports: it re-exports what they use.
 
 from __future__ import annotations
 
+from versionwatch._compat import engine_checks_gradients
 from versionwatch._runtime import Anchor, Change, Removable, Subscription, remove_all
+from versionwatch._strict import gradients as _gradients
 from versionwatch._strict import hookstack as _hookstack
 from versionwatch._strict.records import (
     RECORDS,
@@ -63,6 +67,7 @@ def attach(owner: StrictOwner) -> Subscription:
     transform), which takes it out; pack there records nothing once no strict
     watcher is open.
     """
+    engine_checks_gradients()  # probed once, before any patch: see _compat
     held: list[Removable] = [ANCHOR.subscribe()]
     try:
         held.append(OWNERS.add(owner))
@@ -80,5 +85,7 @@ def attach(owner: StrictOwner) -> Subscription:
             end_step()
             THREAD.forward = None
             remove_all(held)
+            if not OWNERS:
+                _gradients.end_all()  # a backward that raised left its pre-hooks
 
     return Subscription(detach)

@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from versionwatch._compat import jit_builtins
+from versionwatch._compat import engine_checks_gradients, jit_builtins
 from versionwatch._report import Modification, Site, Writer
 from versionwatch._runtime import Change, Entry, Patch, Registry
 from versionwatch._sites import site_at, user_frames, user_site
+from versionwatch._strict.gradients import candidates, on_gradient_write
 from versionwatch._strict.records import (
     RECORDS,
     SavedRecord,
@@ -168,6 +169,14 @@ def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     With ``stop_at_write`` it reports there too, and raises under ``raise``.
     """
     __tracebackhide__ = True
+    if _in_backward() != -1 and OWNERS and not THREAD.busy:
+        # A hook's write during a backward may hit a gradient that other nodes
+        # also receive (:mod:`gradients`).
+        THREAD.busy = True
+        try:
+            _gradient_write(name, args, kwargs)
+        finally:
+            THREAD.busy = False
     if not RECORDS or THREAD.busy:
         return None
     hits: list[tuple[torch.Tensor, SavedRecord]] = []
@@ -183,6 +192,20 @@ def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     finally:
         THREAD.busy = False
     return hits
+
+
+_in_backward = torch._C._current_graph_task_id
+
+
+def _gradient_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A write during a backward: watched if it may hit a gradient in flight."""
+    __tracebackhide__ = True
+    if engine_checks_gradients():
+        return  # PyTorch raises for it itself
+    targets = candidates(written_tensors(name, args, kwargs))
+    if targets:
+        label = _LABELS.get(name, f"{name}()" if not name.endswith(")") else name)
+        on_gradient_write(label, user_site(), targets, OWNERS.newest())
 
 
 def written(hits: _Hits) -> None:
@@ -258,14 +281,16 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
 
 def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     name = attr
-    registry, local = RECORDS, THREAD
+    registry, local, owners, in_backward = RECORDS, THREAD, OWNERS, _in_backward
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         # A checked step's own writes are skipped; one that raised has left its
-        # window, and in_step() finds its frame gone (ending the step).
-        if registry and (not local.step_checked or not in_step()):
+        # window, and in_step() finds its frame gone (ending the step). During a
+        # backward every write is looked at: it may hit a gradient in flight.
+        if (registry or (in_backward() != -1 and owners)) and (
+                not local.step_checked or not in_step()):
             hits = on_write(name, args, kwargs)
             if hits:
                 out = fn(*args, **kwargs)
