@@ -23,11 +23,13 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 
 from versionwatch._compat import (
+    CHECKPOINT_SLOTS_SHOWN,
     SAVED_INTROSPECTION,
     SAVED_UNPACK,
     UNREAD,
     USER_FN_ATTR,
     HookedSaved,
+    checkpoint_frame,
     InputMetadata,
     ProfiledSaved,
     SavedTensor,
@@ -51,6 +53,7 @@ from versionwatch._report import (
     UNSURE_CLEARS,
     UNSURE_COPY_SLICES,
     UNSURE_ERROR,
+    UNSURE_NONREENTRANT,
     UNSURE_PROFILER,
     Hazard,
 )
@@ -58,6 +61,8 @@ from versionwatch._runtime import Anchor, Patch
 from versionwatch._strict import RECORDS as _RECORDS
 from versionwatch._strict import SavedRecord, output_of, strict_message
 from versionwatch._strict import unpack as _strict_unpack
+from versionwatch._strict.checkpoint import hazard_for as _checkpoint_hazard
+from versionwatch._strict.checkpoint import record_of as _checkpoint_record
 from versionwatch._torch_messages import (
     FREED,
     PRODUCER_RE,
@@ -230,7 +235,7 @@ class Checker:
         elif hooked(raw):
             if is_trusted(raw.unpack_hook):
                 self.checked += 1
-            else:
+            elif not self._checkpointed(i, fn, slot, raw):
                 self.unverifiable.append((fn.name(), slot))
         else:
             try:
@@ -241,6 +246,24 @@ class Checker:
                 return
             if self.silent:
                 self._silent(i, fn, slot, raw.data)
+
+    def _checkpointed(self, i: int, fn: Node, slot: str, raw: Any) -> bool:
+        """A slot inside non-reentrant checkpointing: strict mode's record of it decides.
+
+        False if ``raw`` is no checkpoint's. Without a record (the default mode,
+        or a save strict mode did not see) it is not verified, and says why.
+        """
+        if not CHECKPOINT_SLOTS_SHOWN or checkpoint_frame(raw.unpack_hook) is None:
+            return False
+        rec = _checkpoint_record(raw.data)
+        if rec is None:
+            self._unsure(fn.name(), slot, UNSURE_NONREENTRANT)
+            return True
+        self.checked += 1
+        h, data = _checkpoint_hazard(rec, fn.name(), slot)
+        if h is not None:
+            self.findings.append(Finding(i, len(self.findings), h, data))
+        return True
 
     def _strict(self, i: int, fn: Node, slot: str, rec: SavedRecord) -> None:
         """A tensor strict mode packed: its record knows the versions and the writes."""
@@ -282,7 +305,7 @@ class Checker:
                     self._strict(i, fn, f"{slot}[{k}]", raw.data)
                 elif is_trusted(raw.unpack_hook):
                     self.checked += 1
-                else:
+                elif not self._checkpointed(i, fn, f"{slot}[{k}]", raw):
                     self.unverifiable.append((fn.name(), f"{slot}[{k}]"))
                 continue
             try:
@@ -341,7 +364,11 @@ class Checker:
                     self._strict(i, fn, f"saved_tensors[{k}]", r.data)
                 return
             name = fn.name()
-            self.unverifiable += [(name, f"saved_tensors[{k}]") for k in range(len(raws))]
+            for k, r in enumerate(raws):
+                if getattr(r, "unpack_hook", None) is _strict_unpack:
+                    self._strict(i, fn, f"saved_tensors[{k}]", r.data)
+                elif not (hooked(r) and self._checkpointed(i, fn, f"saved_tensors[{k}]", r)):
+                    self.unverifiable.append((name, f"saved_tensors[{k}]"))
             return
         if clears_on_access(fn):
             # Reading ctx.saved_tensors would clear them: the backward would then

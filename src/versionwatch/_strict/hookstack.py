@@ -35,6 +35,7 @@ from typing import Any, TypeVar, Union
 import torch
 
 from versionwatch._runtime import Anchor, Call, Change, Patch, Subscription, add_probe
+from versionwatch._strict import checkpoint as _checkpoint
 
 _C: Any = torch._C._autograd
 _NAMES = ("_push_saved_tensors_default_hooks", "_pop_saved_tensors_default_hooks",
@@ -113,6 +114,7 @@ def changes(pack: Callable[[torch.Tensor], _Packed],
         STATE.held = WRAPPERS.subscribe()
 
     def stop() -> None:
+        _checkpoint.clear()
         held, STATE.held = STATE.held, None
         if held is not None:
             held.remove()
@@ -272,6 +274,9 @@ def _push(pack_hook: Callable[[torch.Tensor], object],
         _real("_push_saved_tensors_default_hooks")(pack_hook, unpack_hook)
         return
     settle()
+    # A non-reentrant checkpoint's pack gets a record of each save beside its
+    # holder (what it stores and returns is unchanged): see _strict.checkpoint.
+    pack_hook = _checkpoint.wrap_pack(pack_hook, unpack_hook)
     _real("_push_saved_tensors_default_hooks")(pack_hook, unpack_hook)
     shadow = _shadow()
     if shadow:

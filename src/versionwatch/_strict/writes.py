@@ -41,6 +41,7 @@ from versionwatch._strict.records import (
     unpack,
     writer_at,
 )
+from versionwatch._strict import checkpoint as _checkpoint
 from versionwatch._strict.thread import THREAD, in_step
 
 if TYPE_CHECKING:
@@ -168,6 +169,8 @@ def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     With ``stop_at_write`` it reports there too, and raises under ``raise``.
     """
     __tracebackhide__ = True
+    if _checkpoint.REGISTRY and not THREAD.busy:
+        _checkpoint_write(name, args, kwargs, silent)
     if not RECORDS or THREAD.busy:
         return None
     hits: list[tuple[torch.Tensor, SavedRecord]] = []
@@ -183,6 +186,22 @@ def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
     finally:
         THREAD.busy = False
     return hits
+
+
+def _checkpoint_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      silent: bool) -> None:
+    """Hand a write to the records of tensors saved inside activation checkpointing."""
+    targets = list(written_tensors(name, args, kwargs))
+    if name == "step" and THREAD.step:
+        label = THREAD.step
+    else:
+        label = _LABELS.get(name, f"{name}()" if not name.endswith(")") else name)
+    silent = silent or any(_is_silent(name, t) for t in targets)
+    THREAD.busy = True
+    try:
+        _checkpoint.on_write(label, targets, silent)
+    finally:
+        THREAD.busy = False
 
 
 def written(hits: _Hits) -> None:
@@ -258,14 +277,14 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
 
 def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     name = attr
-    registry, local = RECORDS, THREAD
+    registry, local, ckpt = RECORDS, THREAD, _checkpoint.REGISTRY
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         # A checked step's own writes are skipped; one that raised has left its
         # window, and in_step() finds its frame gone (ending the step).
-        if registry and (not local.step_checked or not in_step()):
+        if (registry or ckpt) and (not local.step_checked or not in_step()):
             hits = on_write(name, args, kwargs)
             if hits:
                 out = fn(*args, **kwargs)
@@ -281,7 +300,7 @@ def _wrap_out(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if kwargs and RECORDS and kwargs.get("out") is not None:
+        if kwargs and (RECORDS or _checkpoint.REGISTRY) and kwargs.get("out") is not None:
             on_write(name, (), kwargs)
         return fn(*args, **kwargs)
 

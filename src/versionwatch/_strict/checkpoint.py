@@ -1,0 +1,358 @@
+"""Strict mode inside non-reentrant activation checkpointing: the writes its recomputation hides.
+
+``checkpoint(fn, x, use_reentrant=False)`` saves nothing while ``fn`` runs: its
+pack hook stores an empty ``_Holder`` per saved tensor, and the backward's first
+unpack reruns ``fn`` under a hook that stores, for each save in order, an alias
+of the tensor being saved (``x.detach()``), stopping right after the frame's
+last save (early stop, the default). No version is checked, so:
+
+- a write inside ``fn`` to a tensor saved earlier in ``fn`` is repeated by the
+  recomputation, and the alias sees it: the backward reads the written value
+  (when early stop ends the recomputation before the write, it is not repeated);
+- a tensor ``fn`` saved that the recomputation does not make afresh (a
+  parameter, a buffer, a tensor ``fn`` closes over) is read as it is at the
+  backward: a write after the forward changes what the backward reads.
+
+``fn``'s explicit tensor arguments are saved by checkpoint itself with PyTorch's
+version check (it raises for a write that bumps a version), and the outputs of
+ops that selective checkpointing caches are checked too ("Tensor cached during
+selective activation checkpoint has been mutated"): those are silent only for
+writes that bump no version. A write after ``fn`` to a tensor made inside it
+changes nothing: the recomputation makes it afresh.
+
+While strict mode is installed, the pack hook of each checkpoint pushed on this
+thread's saved-tensor hooks stack is wrapped (:func:`wrap_pack`, called by
+:mod:`~versionwatch._strict.hookstack`): checkpoint still stores and returns the
+same holder, and a light :class:`CheckpointRecord` is kept for it, keyed by the
+holder (weakly: it dies with the graph's slot), holding no tensor made inside
+``fn``. Writes reach :func:`on_write` from strict mode's in-place wrappers; the
+prediction before a backward asks :func:`hazard_for` about each slot it would
+read, by the slot's holder (torch that hides a hooked slot's data, 2.4, gets
+nothing from here).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+
+from versionwatch._compat import CHECKPOINT_GENERATOR_CODE, checkpoint_frame, sequence_nr
+from versionwatch._report import BACKWARD_SUFFIX, ForwardRef, Hazard, Modification
+from versionwatch._report.silent import SILENT_TAIL
+from versionwatch._runtime import add_probe
+from versionwatch._sites import _is_library, is_library, site_at, user_site
+from versionwatch._strict.thread import THREAD
+
+HIDDEN_BY = "checkpoint(use_reentrant=False)"
+SELECTIVE = "selective checkpoint"
+
+
+class _Frame:
+    """What is known of one checkpoint frame beyond torch's own ``_CheckpointFrame``."""
+
+    __slots__ = ("__weakref__", "arg_keys", "cache", "frame", "start")
+
+    def __init__(self, frame: Any, start: int | None, arg_keys: frozenset[int] | None,
+                 cache: Any) -> None:
+        self.frame = weakref.ref(frame)
+        self.start = start  # the sequence clock when fn began: nodes made since are fn's
+        # Storages of fn's explicit tensor arguments, which checkpoint keeps with a
+        # version check (None: unknown, so only writes with no version bump count).
+        self.arg_keys = arg_keys
+        self.cache = cache  # selective checkpointing's storage of cached outputs, if any
+
+
+class CheckpointRecord:
+    """One tensor saved inside a checkpointed function (the graph's holder owns it)."""
+
+    __slots__ = ("__weakref__", "before", "code", "dtype", "device", "forward", "index", "info",
+                 "inside", "key", "line", "module", "output", "requires_grad", "root", "shape",
+                 "version", "view", "writes")
+
+    def __init__(self, t: torch.Tensor, info: _Frame, index: int, inside: bool) -> None:
+        base = t._base
+        root = base if base is not None else t
+        # Weakly: a tensor made inside fn is meant to be freed after it (that is
+        # checkpointing's whole point); one from outside is alive anyway.
+        self.root = weakref.ref(root)
+        self.key = _storage_key(t)
+        self.version = t._version
+        self.index = index  # its place among the frame's saves (the holder's)
+        self.info = info
+        self.inside = inside  # made inside fn: the recomputation makes it afresh
+        self.view = base is not None
+        self.output = False
+        self.requires_grad = t.requires_grad
+        self.shape = None if t.is_nested else tuple(t.shape)
+        self.dtype = str(t.dtype).replace("torch.", "")
+        self.device = str(t.device)
+        self.module: str | None = None
+        self.forward: ForwardRef | None = None
+        self.code: CodeType | None = None
+        self.line = 0
+        # (the write, whether fn was running then, the frame's saves so far)
+        self.writes: list[tuple[Modification, bool, int]] = []
+        self.before: torch.Tensor | None = None  # bytes before the first write after fn
+
+
+# holder -> its record; weakly keyed: the holder lives as long as the graph's slot.
+HOLDERS: weakref.WeakKeyDictionary[Any, CheckpointRecord] = weakref.WeakKeyDictionary()
+# storage key -> weak references of the records saved there (for the writes).
+REGISTRY: dict[int, list[weakref.ref[CheckpointRecord]]] = {}
+_FRAMES: weakref.WeakKeyDictionary[Any, _Frame] = weakref.WeakKeyDictionary()
+_PURGE_MIN = 256
+_purge_at = _PURGE_MIN
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    from versionwatch._strict.records import storage_key
+
+    return storage_key(t)
+
+
+def wrap_pack(pack_hook: Callable[[torch.Tensor], Any],
+              unpack_hook: Callable[[Any], torch.Tensor]) -> Callable[[torch.Tensor], Any]:
+    """``pack_hook`` itself, or, for a non-reentrant checkpoint's, one that also records.
+
+    Called as the hook pair is pushed (strict mode's stack wrapper), outside
+    any backward. The wrapper returns what checkpoint's own pack returns.
+    """
+    frame = checkpoint_frame(pack_hook)
+    if frame is None:
+        return pack_hook
+    info = _FRAMES.get(frame)
+    if info is None:
+        info = _FRAMES[frame] = _Frame(frame, sequence_nr() if sequence_nr is not None else None,
+                                       *_generator_state(sys._getframe(1)))
+    own = pack_hook
+
+    def pack(t: torch.Tensor) -> Any:
+        holder = own(t)
+        try:
+            _record(frame, info, holder, t)
+        except Exception:  # noqa: BLE001 - never let the bookkeeping change what runs
+            pass
+        return holder
+
+    return pack
+
+
+def _generator_state(frame: FrameType | None) -> tuple[frozenset[int] | None, Any]:
+    """fn's argument storages and the selective cache, read from checkpoint's generator.
+
+    The generator pushes the hook from its own frame (``with _checkpoint_hook(...)``),
+    a few frames up: its locals hold ``args`` and the ``forward_context``.
+    """
+    while frame is not None and frame.f_code is not CHECKPOINT_GENERATOR_CODE:
+        frame = frame.f_back
+    if frame is None:
+        return None, None
+    local = frame.f_locals
+    args = local.get("args")
+    keys = None
+    if isinstance(args, (tuple, list)):
+        keys = frozenset(_storage_key(a) for a in args if isinstance(a, torch.Tensor))
+    cache = getattr(local.get("forward_context"), "storage", None)
+    allow = getattr(local.get("recompute_context"), "allow_cache_entry_mutation", False)
+    # With mutation allowed, a cached output is not checked: as if recomputed.
+    return keys, (None if allow or not isinstance(cache, dict) else cache)
+
+
+def _record(frame: Any, info: _Frame, holder: Any, t: torch.Tensor) -> None:
+    index = len(frame.weak_holders) - 1
+    base = t._base
+    root = base if base is not None else t
+    inside = False
+    if not root.is_leaf and info.start is not None:
+        fn = root.grad_fn
+        inside = fn is not None and fn._sequence_nr() >= info.start
+    rec = CheckpointRecord(t, info, index, inside)
+    if not t.is_leaf and sequence_nr is not None:
+        fn = t.grad_fn
+        rec.output = fn is not None and fn._sequence_nr() == sequence_nr() - 1
+    local = THREAD
+    stack = local.modules
+    rec.module = stack[-1][0] if stack else None
+    rec.forward = local.forward
+    user = _user_frame(sys._getframe(2))
+    if user is not None:
+        rec.code, rec.line = user.f_code, user.f_lineno
+    HOLDERS[holder] = rec
+    key = rec.key
+    if key:
+        refs = REGISTRY.get(key)
+        if refs is None:
+            REGISTRY[key] = [weakref.ref(rec)]
+            if len(REGISTRY) > _purge_at:
+                _purge()
+        else:
+            if len(refs) > 3 and refs[0]() is None:
+                refs[:] = [r for r in refs if r() is not None]
+            refs.append(weakref.ref(rec))
+
+
+def _user_frame(frame: FrameType | None) -> FrameType | None:
+    """The first frame up from ``frame`` outside torch and versionwatch: the op's line."""
+    library = _is_library
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        hit = library.get(filename)
+        if hit is None:
+            hit = is_library(filename)
+        if not hit:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _purge() -> None:
+    global _purge_at
+    for key in [k for k, refs in list(REGISTRY.items()) if all(r() is None for r in refs)]:
+        REGISTRY.pop(key, None)
+    _purge_at = max(_PURGE_MIN, 2 * len(REGISTRY))
+
+
+def clear() -> None:
+    """Strict mode is taken out: nothing it recorded is kept."""
+    REGISTRY.clear()
+    HOLDERS.clear()
+    _FRAMES.clear()
+
+
+def on_write(label: str, targets: list[torch.Tensor], silent: bool) -> None:
+    """An in-place write to ``targets`` is about to happen: note it on their records.
+
+    ``label`` is how a report names the write (``mul_()``, ``SGD.step() #1``).
+    """
+    hits: list[CheckpointRecord] = []
+    for t in targets:
+        key = _storage_key(t)
+        refs = REGISTRY.get(key) if key else None
+        if not refs:
+            continue
+        for r in refs:
+            rec = r()
+            # Alive, its root still holds that storage: the memory was not reused.
+            if rec is not None and (root := rec.root()) is not None \
+                    and _storage_key(root) == key:
+                hits.append(rec)
+    if not hits:
+        return
+    mod = Modification("inplace_op", label + (" (no version bump)" if silent else ""),
+                       user_site())
+    for rec in hits:
+        frame = rec.info.frame()
+        if frame is None:
+            continue
+        running = not getattr(frame, "forward_completed", True)
+        rec.writes.append((mod, running, len(frame.weak_holders)))
+        if not rec.inside and rec.before is None and not running:
+            root = rec.root()
+            if root is not None:
+                try:  # the bytes the recomputation would have read: a write undone is none
+                    rec.before = root.detach().reshape(-1).view(torch.uint8).clone()
+                except (RuntimeError, TypeError):
+                    pass
+
+
+def record_of(holder: Any) -> CheckpointRecord | None:
+    """The record of the slot whose checkpoint holder is ``holder``, if strict mode made one."""
+    try:
+        return HOLDERS.get(holder)
+    except TypeError:  # not weakly referenceable: not checkpoint's holder
+        return None
+
+
+def _cached(info: _Frame, key: int) -> bool:
+    """Whether selective checkpointing cached (and checks) an output at storage ``key``."""
+    cache = info.cache
+    if not cache or not key:
+        return False
+    for entries in list(cache.values()):
+        for entry in list(getattr(entries, "values", lambda: ())()):
+            for w in (entry if isinstance(entry, (tuple, list)) else (entry,)):
+                val = getattr(w, "val", None)
+                if isinstance(val, torch.Tensor) and getattr(w, "version", None) is not None \
+                        and _storage_key(val) == key:
+                    return True
+    return False
+
+
+def hazard_for(rec: CheckpointRecord, node: str, slot: str
+               ) -> tuple[Hazard | None, torch.Tensor | None]:
+    """The silent hazard on ``rec``'s slot of ``node``, if the recomputation reads a write.
+
+    Also the tensor a report may name (the root, for one that is not made
+    inside the function: a parameter).
+    """
+    info = rec.info
+    frame = info.frame()
+    root = rec.root()
+    if frame is None:
+        return None, None
+    total = len(frame.weak_holders)
+    early = bool(getattr(frame, "early_stop", True))
+    # PyTorch checks the versions of fn's arguments and of the outputs selective
+    # checkpointing cached: only a write that bumps no version escapes it there.
+    checked = (info.arg_keys is None and not rec.inside) or rec.key in (info.arg_keys or ()) \
+        or _cached(info, rec.key)
+    selective = info.cache is not None
+    hidden = SELECTIVE if selective else HIDDEN_BY
+    # Writes while fn ran, after this save, before the recomputation stops.
+    repeated = [m for m, running, packs in rec.writes
+                if running and packs > rec.index and (not early or packs < total)
+                and (not checked or m.description.endswith("(no version bump)"))]
+    stale: list[Modification] = []
+    if not rec.inside and root is not None and not repeated:
+        later = [m for m, running, packs in rec.writes
+                 if packs > rec.index or not running]
+        if checked:
+            later = [m for m in later if m.description.endswith("(no version bump)")]
+            changed = bool(later)
+        else:
+            changed = root._version != rec.version or any(
+                m.description.endswith("(no version bump)") for m in later)
+        if changed and not _restored(rec, root):
+            stale = later
+    if not repeated and not stale:
+        return None, None
+    h = Hazard(kind="silent", node=node, slot=slot, saved_version=rec.version,
+               current_version=root._version if root is not None else None,
+               shape=rec.shape, dtype=rec.dtype, device=rec.device,
+               requires_grad=rec.requires_grad, saved_output=rec.output, module=rec.module,
+               producer=BACKWARD_SUFFIX.sub("", node) if rec.output else None,
+               saved_during=str(rec.forward) if rec.forward is not None else None,
+               saved_in=rec.forward,
+               saved_at=site_at(rec.code.co_filename, rec.line) if rec.code is not None else None,
+               modified_by=repeated or stale, view=rec.view,
+               cause="checkpoint", hidden_by=hidden)
+    version_bump = any(not m.description.endswith("(no version bump)") for m in h.modified_by)
+    without = "; PyTorch raises here without checkpointing" if version_bump else ""
+    if repeated:
+        h.notes.append(f"under {hidden} the recomputation during backward repeats this write, "
+                       f"so {node} gets the written value{without}")
+    else:
+        what = "this tensor" if root is None else "it"
+        h.notes.append(f"under {hidden} the recomputation during backward reads {what} as it "
+                       f"is then, after this write, so {node} gets the new value{without}")
+    h.notes.append(SILENT_TAIL)
+    return h, (None if rec.inside else root)
+
+
+def _restored(rec: CheckpointRecord, root: torch.Tensor) -> bool:
+    """The bytes are back to what they were before the first write after fn (a swap undone)."""
+    before = rec.before
+    if before is None:
+        return False
+    try:
+        return bool(torch.equal(before, root.detach().reshape(-1).view(torch.uint8)))
+    except (RuntimeError, TypeError):
+        return False
+
+
+add_probe("checkpoint records", lambda: len(HOLDERS))
