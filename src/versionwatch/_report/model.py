@@ -596,7 +596,8 @@ class Report:
             that could run user code, and the others of :attr:`unverifiable_why`.
         unverifiable_why: why, for each entry of :attr:`unverifiable` that is
             not behind hooks (:data:`UNSURE_HOOKS`): :data:`UNSURE_CHECKPOINT`,
-            :data:`UNSURE_NONREENTRANT`, :data:`UNSURE_COPY_SLICES`, :data:`UNSURE_CLEARS`, :data:`UNSURE_ERROR`,
+            :data:`UNSURE_NONREENTRANT`, :data:`UNSURE_COPY_SLICES`, :data:`UNSURE_CLEARS`,
+            :data:`UNSURE_ERROR`,
             :data:`UNSURE_PROFILER`.
         nodes: how many autograd nodes the backward would execute.
         saved_checked: how many saved tensors were verified.

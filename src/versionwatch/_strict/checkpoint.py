@@ -70,9 +70,27 @@ class _Frame:
 class CheckpointRecord:
     """One tensor saved inside a checkpointed function (the graph's holder owns it)."""
 
-    __slots__ = ("__weakref__", "before", "code", "dtype", "device", "forward", "index", "info",
-                 "inside", "key", "line", "module", "output", "requires_grad", "root", "shape",
-                 "version", "view", "writes")
+    __slots__ = (
+        "__weakref__",
+        "before",
+        "code",
+        "device",
+        "dtype",
+        "forward",
+        "index",
+        "info",
+        "inside",
+        "key",
+        "line",
+        "module",
+        "output",
+        "requires_grad",
+        "root",
+        "shape",
+        "version",
+        "view",
+        "writes",
+    )
 
     def __init__(self, t: torch.Tensor, info: _Frame, index: int, inside: bool) -> None:
         base = t._base
@@ -135,7 +153,7 @@ def wrap_pack(pack_hook: Callable[[torch.Tensor], Any],
         holder = own(t)
         try:
             _record(frame, info, holder, t)
-        except Exception:  # noqa: BLE001 - never let the bookkeeping change what runs
+        except Exception:
             pass
         return holder
 

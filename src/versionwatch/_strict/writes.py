@@ -31,6 +31,7 @@ from versionwatch._compat import jit_builtins
 from versionwatch._report import Modification, Site, Writer
 from versionwatch._runtime import Change, Entry, Patch, Registry
 from versionwatch._sites import site_at, user_frames, user_site
+from versionwatch._strict import checkpoint as _checkpoint
 from versionwatch._strict.records import (
     RECORDS,
     SavedRecord,
@@ -41,7 +42,6 @@ from versionwatch._strict.records import (
     unpack,
     writer_at,
 )
-from versionwatch._strict import checkpoint as _checkpoint
 from versionwatch._strict.thread import THREAD, in_step
 
 if TYPE_CHECKING:
