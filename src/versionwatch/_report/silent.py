@@ -59,20 +59,42 @@ def silent_fix(h: Hazard) -> str:
 
 
 # --- checkpoint ---------------------------------------------------------------
+# Two cases (versionwatch._strict.checkpoint): a write inside the checkpointed
+# function that its recomputation repeats, and a write after the forward to a
+# tensor the recomputation reads again (a parameter). The first fact line says
+# which ("repeats this write").
+
+
+def _checkpoint_repeated(h: Hazard) -> bool:
+    return any("repeats this write" in n for n in h.notes)
 
 
 def _checkpoint_headline(h: Hazard) -> str:
     where = h.hidden_by or "checkpoint(use_reentrant=False)"
+    if _checkpoint_repeated(h):
+        what = ("was modified in place after it was saved, and the recomputation during "
+                "backward repeats the write")
+    else:
+        what = ("was changed after the forward, and the recomputation during backward reads "
+                "it as it is then")
     return (
         f"versionwatch: backward will compute wrong gradients: {h.describe_tensor()} "
-        f"saved by {h.node} inside {where} was changed, and the recomputation reads the change"
+        f"saved by {h.node} inside {where} {what}"
     )
 
 
 def _checkpoint_fix(h: Hazard) -> str:
+    if _checkpoint_repeated(h):
+        return (
+            "don't modify in place a tensor that an op inside the checkpointed function "
+            "saved: use the out-of-place form (`x = x * s` instead of `x.mul_(s)`) or modify "
+            "a `.clone()`"
+        )
+    name = h.tensor or "the tensor"
     return (
-        "don't modify in place a tensor that an op inside the checkpointed function saved: "
-        "use the out-of-place form (`x = x * s` instead of `x.mul_(s)`) or modify a `.clone()`"
+        f"{name} was changed between the checkpointed forward and its backward, which "
+        "recomputes from it: make that change after this backward, or re-run the forward "
+        "after it"
     )
 
 
