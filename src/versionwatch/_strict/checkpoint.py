@@ -55,7 +55,7 @@ SELECTIVE = "selective checkpoint"
 class _Frame:
     """What is known of one checkpoint frame beyond torch's own ``_CheckpointFrame``."""
 
-    __slots__ = ("__weakref__", "arg_keys", "cache", "frame", "start")
+    __slots__ = ("__weakref__", "arg_keys", "cache", "frame", "masks", "names", "params", "start")
 
     def __init__(self, frame: Any, start: int | None, arg_keys: frozenset[int] | None,
                  cache: Any) -> None:
@@ -65,6 +65,13 @@ class _Frame:
         # version check (None: unknown, so only writes with no version bump count).
         self.arg_keys = arg_keys
         self.cache = cache  # selective checkpointing's storage of cached outputs, if any
+        # The leaves (parameters) fn's recomputed tensors are made from, each as a
+        # record of its own (seen by the writes); a saved tensor's ``deps`` is a
+        # bit mask over them. ``masks``: node sequence number -> that mask (the
+        # walk's memo: numbers, never nodes).
+        self.params: list[CheckpointRecord] = []
+        self.masks: dict[int, int] = {}
+        self.names: dict[int, str] | None = None  # id(parameter) -> its qualified name
 
 
 class CheckpointRecord:
@@ -74,6 +81,7 @@ class CheckpointRecord:
         "__weakref__",
         "before",
         "code",
+        "deps",
         "device",
         "dtype",
         "forward",
@@ -83,6 +91,7 @@ class CheckpointRecord:
         "key",
         "line",
         "module",
+        "name",
         "output",
         "requires_grad",
         "root",
@@ -116,6 +125,8 @@ class CheckpointRecord:
         # (the write, whether fn was running then, the frame's saves so far)
         self.writes: list[tuple[Modification, bool, int]] = []
         self.before: torch.Tensor | None = None  # bytes before the first write after fn
+        self.deps = 0  # which of the frame's params its recomputation reads (made inside fn)
+        self.name: str | None = None  # a parameter's qualified name (a dependency's record)
 
 
 # holder -> its record; weakly keyed: the holder lives as long as the graph's slot.
@@ -190,6 +201,8 @@ def _record(frame: Any, info: _Frame, holder: Any, t: torch.Tensor) -> None:
         fn = root.grad_fn
         inside = fn is not None and fn._sequence_nr() >= info.start
     rec = CheckpointRecord(t, info, index, inside)
+    if inside:
+        rec.deps = _deps(info, root, index)
     if not t.is_leaf and sequence_nr is not None:
         fn = t.grad_fn
         rec.output = fn is not None and fn._sequence_nr() == sequence_nr() - 1
@@ -201,6 +214,11 @@ def _record(frame: Any, info: _Frame, holder: Any, t: torch.Tensor) -> None:
     if user is not None:
         rec.code, rec.line = user.f_code, user.f_lineno
     HOLDERS[holder] = rec
+    _register(rec)
+
+
+def _register(rec: CheckpointRecord) -> None:
+    """Index ``rec`` by its storage, for the writes."""
     key = rec.key
     if key:
         refs = REGISTRY.get(key)
@@ -212,6 +230,74 @@ def _record(frame: Any, info: _Frame, holder: Any, t: torch.Tensor) -> None:
             if len(refs) > 3 and refs[0]() is None:
                 refs[:] = [r for r in refs if r() is not None]
             refs.append(weakref.ref(rec))
+
+
+def _deps(info: _Frame, t: torch.Tensor, index: int) -> int:
+    """The bit mask of the parameters ``t`` is computed from inside fn (its recomputation's).
+
+    Walks ``t``'s graph back through the nodes made since fn began, to the
+    leaves' AccumulateGrad; each node's mask is kept by its sequence number, so
+    a frame's walks visit each node once.
+    """
+    fn = t.grad_fn
+    if fn is None:
+        return 0
+    start = info.start
+    assert start is not None
+    masks = info.masks
+    mask = 0
+    # Iterative post-order: a node's mask once its inputs' are known.
+    stack: list[tuple[Any, bool]] = [(fn, False)]
+    while stack:
+        node, done = stack.pop()
+        seq = node._sequence_nr()
+        if seq in masks and not done:
+            continue
+        edges = [e[0] for e in node.next_functions if e[0] is not None]
+        if not done:
+            stack.append((node, True))
+            stack += [(e, False) for e in edges
+                      if not hasattr(e, "variable") and start <= e._sequence_nr() < seq
+                      and e._sequence_nr() not in masks]
+            continue
+        m = 0
+        for e in edges:
+            var = getattr(e, "variable", None)
+            if isinstance(var, torch.Tensor):
+                m |= 1 << _param_bit(info, var, index)
+            else:
+                m |= masks.get(e._sequence_nr(), 0)
+        masks[seq] = m
+    mask = masks.get(fn._sequence_nr(), 0)
+    return mask
+
+
+def _param_bit(info: _Frame, var: torch.Tensor, index: int) -> int:
+    """The bit of leaf ``var`` among the frame's params (a record for it on first sight)."""
+    for bit, rec in enumerate(info.params):
+        if rec.root() is var:
+            return bit
+    rec = CheckpointRecord(var, info, index, False)
+    if info.names is None:
+        info.names = _param_names()
+    rec.name = info.names.get(id(var))
+    info.params.append(rec)
+    _register(rec)
+    return len(info.params) - 1
+
+
+def _param_names() -> dict[int, str]:
+    """id(parameter) -> qualified name, from the root module strict mode runs (if any)."""
+    from versionwatch._strict.records import module_named
+
+    stack = THREAD.modules
+    if not stack:
+        return {}
+    root_name = stack[0][0]
+    root = module_named(root_name) if isinstance(root_name, str) else None
+    if root is None:
+        return {}
+    return {id(p): f"{root_name}.{n}" for n, p in root.named_parameters()}
 
 
 def _user_frame(frame: FrameType | None) -> FrameType | None:
@@ -327,17 +413,17 @@ def hazard_for(rec: CheckpointRecord, node: str, slot: str
                 and (not checked or m.description.endswith("(no version bump)"))]
     stale: list[Modification] = []
     if not rec.inside and root is not None and not repeated:
-        later = [m for m, running, packs in rec.writes
-                 if packs > rec.index or not running]
-        if checked:
-            later = [m for m in later if m.description.endswith("(no version bump)")]
-            changed = bool(later)
-        else:
-            changed = root._version != rec.version or any(
-                m.description.endswith("(no version bump)") for m in later)
-        if changed and not _restored(rec, root):
-            stale = later
-    if not repeated and not stale:
+        stale = _changed(rec, root, checked)
+    # Made inside fn, and made again at the backward from parameters changed since.
+    # Their writes are not this tensor's: facts of their own, not ``modified_by``.
+    sources: list[tuple[CheckpointRecord, list[Modification]]] = []
+    if rec.inside and not repeated and rec.deps:
+        for bit, dep in enumerate(info.params):
+            if rec.deps >> bit & 1 and (r := dep.root()) is not None:
+                writes = _changed(dep, r, dep.key in (info.arg_keys or ()))
+                if writes:
+                    sources.append((dep, writes))
+    if not repeated and not stale and not sources:
         return None, None
     h = Hazard(kind="silent", node=node, slot=slot, saved_version=rec.version,
                current_version=root._version if root is not None else None,
@@ -354,12 +440,41 @@ def hazard_for(rec: CheckpointRecord, node: str, slot: str
     if repeated:
         h.notes.append(f"under {hidden} the recomputation during backward repeats this write, "
                        f"so {node} gets the written value{without}")
+    elif sources:
+        names = ", ".join(d.name or f"a parameter {_size(d)}" for d, _ in sources)
+        h.notes.append(f"under {hidden} the recomputation during backward makes this tensor "
+                       f"again from {names} as it is then, so {node} gets a value the forward "
+                       "never computed; without checkpointing the backward would use the "
+                       "forward's")
+        for d, writes in sources:
+            for m in writes:
+                code = f": {m.site.code}" if m.site is not None and m.site.code else ""
+                h.notes.append(f"{d.name or 'the parameter'} modified by {m}{code}")
     else:
         what = "this tensor" if root is None else "it"
         h.notes.append(f"under {hidden} the recomputation during backward reads {what} as it "
                        f"is then, after this write, so {node} gets the new value{without}")
     h.notes.append(SILENT_TAIL)
     return h, (None if rec.inside else root)
+
+
+def _changed(rec: CheckpointRecord, root: torch.Tensor, checked: bool) -> list[Modification]:
+    """The writes since ``rec``'s save that changed what the recomputation reads (none: [])."""
+    later = [m for m, running, packs in rec.writes if packs > rec.index or not running]
+    silent = [m for m in later if m.description.endswith("(no version bump)")]
+    if checked:  # PyTorch's own check raises for the others
+        changed = bool(silent)
+        later = silent
+    else:
+        changed = root._version != rec.version or bool(silent)
+    if not changed or _restored(rec, root):
+        return []
+    return later
+
+
+def _size(rec: CheckpointRecord) -> str:
+    shape = "" if rec.shape is None else ", ".join(map(str, rec.shape))
+    return f"{rec.dtype}[{shape}]"
 
 
 def _restored(rec: CheckpointRecord, root: torch.Tensor) -> bool:
