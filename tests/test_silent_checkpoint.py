@@ -103,7 +103,7 @@ def _train(mode: str, strict: bool | None, between: Callable[[Gated], None] | No
     else:
         with versionwatch.watch(model, strict=strict, on_hazard=reports.append):
             body()
-    return _grads(model) + [x.grad.clone()], reports
+    return [*_grads(model), x.grad.clone()], reports
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -145,7 +145,7 @@ def test_write_inside_is_silent_and_reported() -> None:
           modified by  mul_() at {HERE}:{write}: gate.mul_(0.5)  # the write: sigmoid saved gate
           note         under checkpoint(use_reentrant=False) the recomputation during backward repeats this write, so SigmoidBackward0 gets the written value; PyTorch raises here without checkpointing
           note         PyTorch will not raise, and the gradients would be wrong
-          backward at  {HERE}:{backward}""")  # noqa: E501
+          backward at  {HERE}:{backward}""")
     # The patch offered: the out-of-place form, which is right under checkpointing too.
     assert fix.endswith(
         f"`gate = gate.mul(0.5)` instead of `gate.mul_(0.5)` at {HERE}:{write}: the out-of-place "
@@ -241,7 +241,7 @@ def test_write_to_a_parameter_after_the_forward_is_silent_and_reported() -> None
           note         PyTorch will not raise, and the gradients would be wrong
           backward at  {HERE}:{backward}
           fix          model.gate_proj.weight was changed between the checkpointed forward and its backward, which recomputes from it: make that change after this backward, or re-run the forward after it
-          also (2 more):""").splitlines()  # noqa: E501
+          also (2 more):""").splitlines()
     h = reports[0].hazards[2]  # the weight itself, saved and read again
     report = versionwatch.Report(hazards=[h])
     lines = str(report).splitlines()
