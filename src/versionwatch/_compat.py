@@ -233,6 +233,7 @@ class _Peek(threading.local):
     active = False
     # strict mode's records (_strict.records.SavedRecord): a leaf does not import them
     records: list[object] | None = None
+    holder: object = None  # a checkpoint unpack hook's argument, refused (see the end)
 
 
 PEEK = _Peek()
@@ -506,3 +507,24 @@ CHECKPOINT_SLOTS_SHOWN = CHECKPOINT_PACK_CODE is not None and hasattr(
     torch._C._autograd.SavedTensor, "data")
 """A hooked saved slot shows its checkpoint ``_Holder`` (``.data``) and unpack hook:
 strict mode's checkpoint records map to the slots only then (not on torch 2.4)."""
+
+
+def _checkpoint_trap(frame: FrameType, event: str, arg: object) -> None:
+    """:func:`peek`'s trap, which first notes the holder a checkpoint unpack hook was given.
+
+    On torch that hides a hooked slot's data, the only sight of checkpoint's
+    ``_Holder`` is the argument its unpack hook is called with: the trap sees
+    the call before the hook's first line, keeps the holder in ``PEEK.holder``
+    and refuses the call as before (:class:`HookedSaved`).
+    """
+    if event == "call" and PEEK.active and frame.f_code in CHECKPOINT_UNPACK_CODES:
+        PEEK.holder = frame.f_locals.get("holder")
+    _plain_trap(frame, event, arg)
+
+
+_plain_trap = _trap
+if CHECKPOINT_UNPACK_CODES:
+    globals()["_trap"] = _checkpoint_trap  # peek() reads the global at each call
+
+CHECKPOINT_HOLDER_PEEKED = bool(CHECKPOINT_UNPACK_CODES) and not CHECKPOINT_SLOTS_SHOWN
+"""Where torch hides a hooked slot's data, :func:`peek` still finds checkpoint's holder."""

@@ -24,6 +24,7 @@ from torch.autograd.graph import Node
 
 from versionwatch._compat import (
     CHECKPOINT_SLOTS_SHOWN,
+    PEEK,
     SAVED_INTROSPECTION,
     SAVED_UNPACK,
     UNREAD,
@@ -255,7 +256,11 @@ class Checker:
         """
         if not CHECKPOINT_SLOTS_SHOWN or checkpoint_frame(raw.unpack_hook) is None:
             return False
-        rec = _checkpoint_record(raw.data)
+        return self._checkpoint_holder(i, fn, slot, raw.data)
+
+    def _checkpoint_holder(self, i: int, fn: Node, slot: str, holder: object) -> bool:
+        """:meth:`_checkpointed` for the slot whose checkpoint holder is ``holder``."""
+        rec = _checkpoint_record(holder)
         if rec is None:
             self._unsure(fn.name(), slot, UNSURE_NONREENTRANT)
             return True
@@ -471,6 +476,7 @@ class BlindChecker(Checker):
                 self._peek_slot(i, fn, slot, raw_attr, saved_attr)
 
     def _peek_slot(self, i: int, fn: Node, slot: str, raw_attr: str, saved_attr: str) -> None:
+        PEEK.holder = None
         try:
             value, found = peek(fn, saved_attr)
             # what strict mode's unpack hook handed peek: its own records
@@ -479,7 +485,12 @@ class BlindChecker(Checker):
             self._unsure(fn.name(), slot, UNSURE_PROFILER)
             return
         except HookedSaved:
-            self.unverifiable.append((fn.name(), slot))
+            holder, PEEK.holder = PEEK.holder, None
+            # A list's read stops at its first hooked element: only one tensor is exact.
+            if holder is not None and isinstance(getattr(fn, raw_attr, None), (tuple, list)):
+                holder = None
+            if holder is None or not self._checkpoint_holder(i, fn, slot, holder):
+                self.unverifiable.append((fn.name(), slot))
             return
         except RuntimeError as e:
             # A list slot fails as a whole here: its one element, else no index.
