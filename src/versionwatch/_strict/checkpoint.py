@@ -332,7 +332,15 @@ def on_write(label: str, targets: list[torch.Tensor], silent: bool) -> None:
     """An in-place write to ``targets`` is about to happen: note it on their records.
 
     ``label`` is how a report names the write (``mul_()``, ``SGD.step() #1``).
+    Nothing here may stop the write: the user's op runs whatever happens.
     """
+    try:
+        _on_write(label, targets, silent)
+    except Exception:
+        pass
+
+
+def _on_write(label: str, targets: list[torch.Tensor], silent: bool) -> None:
     hits: list[CheckpointRecord] = []
     for t in targets:
         key = _storage_key(t)
