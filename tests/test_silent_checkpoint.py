@@ -504,3 +504,36 @@ def test_training_is_bitwise_the_same_watched(strict: bool) -> None:
         return [p.detach().clone() for p in model.parameters()]
 
     assert _same(train(True), train(False))
+
+
+def test_write_to_other_bytes_of_a_saved_weight_is_not_reported() -> None:
+    # The block saves rows 2: of a weight (a view); rows :2 are written after the
+    # forward. The version moves, the saved bytes do not: the gradient is right.
+    # (A tensor made inside the block from part of a weight counts the whole weight:
+    # docs/strict.md says so.)
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(4, 4))
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return x @ weight[2:]
+
+    def run(strict: bool | None, write: bool) -> tuple[list[torch.Tensor], list[versionwatch.Report]]:
+        weight.grad = None
+        x = torch.ones(3, 2, requires_grad=True)
+        reports: list[versionwatch.Report] = []
+        with (versionwatch.watch(nn.Module(), strict=True, on_hazard=reports.append)
+              if strict else _nothing()):
+            loss = ckpt.checkpoint(block, x, use_reentrant=False).sum()
+            if write:
+                with torch.no_grad():
+                    weight[:2].mul_(2)
+            loss.backward()
+            with torch.no_grad():
+                weight[:2].div_(2) if write else None
+        return [weight.grad.clone(), x.grad.clone()], reports
+
+    plain, _ = run(None, True)
+    reference, _ = run(None, False)
+    assert _same(plain, reference)
+    watched, reports = run(True, True)
+    assert _same(watched, plain) and not reports

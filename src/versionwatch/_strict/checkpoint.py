@@ -90,12 +90,14 @@ class CheckpointRecord:
         "inside",
         "key",
         "line",
+        "missed",
         "module",
         "name",
         "output",
         "requires_grad",
         "root",
         "shape",
+        "span",
         "version",
         "view",
         "writes",
@@ -108,6 +110,7 @@ class CheckpointRecord:
         # checkpointing's whole point); one from outside is alive anyway.
         self.root = weakref.ref(root)
         self.key = _storage_key(t)
+        self.span = _span(t)  # the bytes it covers: a write elsewhere in the storage misses it
         self.version = t._version
         self.index = index  # its place among the frame's saves (the holder's)
         self.info = info
@@ -125,6 +128,7 @@ class CheckpointRecord:
         # (the write, whether fn was running then, the frame's saves so far)
         self.writes: list[tuple[Modification, bool, int]] = []
         self.before: torch.Tensor | None = None  # bytes before the first write after fn
+        self.missed = 0  # writes seen to other bytes of its storage (each bumps the version)
         self.deps = 0  # which of the frame's params its recomputation reads (made inside fn)
         self.name: str | None = None  # a parameter's qualified name (a dependency's record)
 
@@ -136,6 +140,22 @@ REGISTRY: dict[int, list[weakref.ref[CheckpointRecord]]] = {}
 _FRAMES: weakref.WeakKeyDictionary[Any, _Frame] = weakref.WeakKeyDictionary()
 _PURGE_MIN = 256
 _purge_at = _PURGE_MIN
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[start, end)`` of the addresses ``t`` covers (None: unknown, assume all)."""
+    try:
+        if t.numel() == 0:
+            return (0, 0)
+        start = t.data_ptr()
+        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+        return start, start + extent * t.element_size()
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, meta
+        return None
+
+
+def _overlap(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
+    return a is None or b is None or (a[0] < b[1] and b[0] < a[1])
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -347,12 +367,17 @@ def _on_write(label: str, targets: list[torch.Tensor], silent: bool) -> None:
         refs = REGISTRY.get(key) if key else None
         if not refs:
             continue
+        span = _span(t)
         for r in refs:
             rec = r()
             # Alive, its root still holds that storage: the memory was not reused.
-            if rec is not None and (root := rec.root()) is not None \
-                    and _storage_key(root) == key:
+            if rec is None or (root := rec.root()) is None or _storage_key(root) != key \
+                    or rec in hits:
+                continue
+            if _overlap(span, rec.span):
                 hits.append(rec)
+            elif not silent:
+                rec.missed += 1  # the version moves, the bytes it covers do not
     if not hits:
         return
     mod = Modification("inplace_op", label + (" (no version bump)" if silent else ""),
@@ -474,7 +499,7 @@ def _changed(rec: CheckpointRecord, root: torch.Tensor, checked: bool) -> list[M
         changed = bool(silent)
         later = silent
     else:
-        changed = root._version != rec.version or bool(silent)
+        changed = root._version - rec.version > rec.missed or bool(silent)
     if not changed or _restored(rec, root):
         return []
     return later
