@@ -537,3 +537,21 @@ def test_write_to_other_bytes_of_a_saved_weight_is_not_reported() -> None:
     assert _same(plain, reference)
     watched, reports = run(True, True)
     assert _same(watched, plain) and not reports
+
+
+def test_lightning_summary_is_not_a_bare_no_hazard(caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("lightning")
+    import logging
+
+    from versionwatch.integrations.lightning import VersionWatch
+
+    model = Gated("none")
+    with versionwatch.watch(model) as w:
+        model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    with caplog.at_level(logging.INFO, logger="versionwatch"):
+        VersionWatch()._log_summary(w)
+    [rec] = [r for r in caplog.records if r.name == "versionwatch"]
+    assert rec.getMessage().startswith(
+        "versionwatch: fit ended; 1 backward(s) predicted, no hazard; 7 saved tensors "
+        + ("inside checkpoint(use_reentrant=False) not verified (in 1 of them): --strict "
+           "checks them; the latest events:" if SEEN else "not verified"))
