@@ -171,8 +171,10 @@ def wrap_pack(pack_hook: Callable[[torch.Tensor], Any],
     Called as the hook pair is pushed (strict mode's stack wrapper), outside
     any backward. The wrapper returns what checkpoint's own pack returns.
     """
+    from versionwatch._strict import records
+
     frame = checkpoint_frame(pack_hook)
-    if frame is None:
+    if frame is None or not records._recording:  # wrappers kept for another thread's entry
         return pack_hook
     info = _FRAMES.get(frame)
     if info is None:

@@ -14,6 +14,10 @@ Python entry points are wrapped:
 - disabling the hooks (``torch.func`` does) sets our entries aside while
   they are disabled, where PyTorch would refuse, and ``enable`` puts them back.
 
+A non-reentrant checkpoint's pair is pushed with its pack hook wrapped, so that
+strict mode keeps a record of each tensor saved inside it (see
+:mod:`versionwatch._strict.checkpoint`); checkpoint stores and returns the same.
+
 No thread may pop another thread's stack: a watcher closed from another
 thread leaves its entry, inert, for its own thread to take out at its next
 contact with versionwatch: a save through that entry (the pack hook takes it
