@@ -412,7 +412,11 @@ def test_selective_checkpoint_cached_output_raises_as_plain() -> None:
 
 def test_reentrant_write_inside_raises_as_plain() -> None:
     # The recomputed graph's own backward raises PyTorch's error; the prediction
-    # cannot see that graph (it does not exist yet), and counts the node as not verified.
+    # cannot see that graph (it does not exist yet), and counts the node as not
+    # verified. Strict mode packed the recomputed forward's saves: after the error it
+    # names the write's line.
+    notes: list[str] = []
+
     def run(strict: bool | None) -> str:
         model = Gated("inplace")
         x = torch.randn(3, 4, requires_grad=True)
@@ -421,11 +425,15 @@ def test_reentrant_write_inside_raises_as_plain() -> None:
             try:
                 loss.backward()
             except RuntimeError as e:
+                if strict:
+                    notes[:] = getattr(e, "__notes__", [])
                 return str(e)
         return "no error"
 
     assert run(None) == run(True)
     assert "modified by an inplace operation" in run(None)
+    write = line_of(Gated.block, "gate.mul_(0.5)  # the write")
+    assert f"  modified by  mul_() at {HERE}:{write}: gate.mul_(0.5)" in notes[0]
 
 
 # -- the default mode, and watching changes nothing --------------------------------------
