@@ -563,3 +563,39 @@ def test_lightning_summary_is_not_a_bare_no_hazard(caplog: pytest.LogCaptureFixt
         "versionwatch: fit ended; 1 backward(s) predicted, no hazard; 7 saved tensors "
         + ("inside checkpoint(use_reentrant=False) not verified (in 1 of them): --strict "
            "checks them; the latest events:" if SEEN else "not verified"))
+
+
+@pytest.mark.parametrize("act", ["sigmoid", "tanh"])
+def test_a_write_inside_is_reported_only_where_it_changes_the_saved_output(act: str) -> None:
+    # relu_ after a sigmoid leaves every value as it was: eager PyTorch raises, but under
+    # checkpointing the recomputed output is the same, and so is the gradient. add_(1)
+    # after a tanh changes it: the gradient is wrong.
+    def run(strict: bool | None, in_place: bool
+            ) -> tuple[list[torch.Tensor], list[versionwatch.Report]]:
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 4)
+        x = torch.randn(3, 4, requires_grad=True)
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            h = getattr(torch, act)(lin(x))
+            if act == "sigmoid":
+                h = torch.relu_(h) if in_place else torch.relu(h)
+            else:
+                h = h.add_(1) if in_place else h.add(1)
+            return h * x  # a save after the write: early stop does not end before it
+
+        reports: list[versionwatch.Report] = []
+        with (versionwatch.watch(lin, strict=True, on_hazard=reports.append)
+              if strict else _nothing()):
+            ckpt.checkpoint(fn, x, use_reentrant=False).sum().backward()
+        return [lin.weight.grad.clone(), x.grad.clone()], reports
+
+    plain, _ = run(None, True)
+    reference, _ = run(None, False)
+    watched, reports = run(True, True)
+    assert _same(watched, plain)
+    if act == "sigmoid":
+        assert _same(plain, reference) and not reports
+    else:
+        assert not _same(plain, reference)
+        assert [h.where for h in reports[0].hazards] == ["TanhBackward0.result"]

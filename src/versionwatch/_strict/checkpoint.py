@@ -34,6 +34,7 @@ nothing from here).
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from types import CodeType, FrameType
@@ -371,32 +372,72 @@ def _on_write(label: str, targets: list[torch.Tensor], silent: bool) -> None:
             continue
         span = _span(t)
         for r in refs:
-            rec = r()
+            found = r()
             # Alive, its root still holds that storage: the memory was not reused.
-            if rec is None or (root := rec.root()) is None or _storage_key(root) != key \
-                    or rec in hits:
+            if found is None or (root := found.root()) is None \
+                    or _storage_key(root) != key or found in hits:
                 continue
-            if _overlap(span, rec.span):
-                hits.append(rec)
+            if _overlap(span, found.span):
+                hits.append(found)
             elif not silent:
-                rec.missed += 1  # the version moves, the bytes it covers do not
+                found.missed += 1  # the version moves, the bytes it covers do not
     if not hits:
         return
     mod = Modification("inplace_op", label + (" (no version bump)" if silent else ""),
                        user_site())
+    pending: list[tuple[CheckpointRecord, Modification, torch.Tensor]] = []
     for rec in hits:
         frame = rec.info.frame()
         if frame is None:
             continue
         running = not getattr(frame, "forward_completed", True)
         rec.writes.append((mod, running, len(frame.weak_holders)))
+        if running and (root := rec.root()) is not None:
+            # Repeated by the recomputation: it matters only if it changes the bytes
+            # (relu_ on a sigmoid's output leaves them): compared after the op.
+            before = _bytes(root)
+            if before is not None:
+                pending.append((rec, mod, before.clone()))
         if not rec.inside and rec.before is None and not running:
             root = rec.root()
             if root is not None:
-                try:  # the bytes the recomputation would have read: a write undone is none
-                    rec.before = root.detach().reshape(-1).view(torch.uint8).clone()
-                except (RuntimeError, TypeError):
-                    pass
+                # The bytes the recomputation would have read: a write undone is none.
+                before = _bytes(root)
+                rec.before = before.clone() if before is not None else None
+    if pending:
+        _PENDING.changes = pending
+
+
+class _Pending(threading.local):
+    changes: list[tuple[CheckpointRecord, Modification, torch.Tensor]] | None = None
+
+
+_PENDING = _Pending()
+
+
+def take_pending() -> list[tuple[CheckpointRecord, Modification, torch.Tensor]] | None:
+    """The writes :func:`on_write` just saw inside a running checkpointed function, if any."""
+    changes, _PENDING.changes = _PENDING.changes, None
+    return changes
+
+
+def after_write(changes: list[tuple[CheckpointRecord, Modification, torch.Tensor]]) -> None:
+    """After the op: a write that left a record's bytes as they were is no write to it."""
+    try:
+        for rec, mod, before in changes:
+            root = rec.root()
+            now = _bytes(root) if root is not None else None
+            if now is not None and torch.equal(before, now):
+                rec.writes = [w for w in rec.writes if w[0] is not mod]
+    except Exception:
+        pass
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor | None:
+    try:
+        return t.detach().reshape(-1).view(torch.uint8)
+    except (RuntimeError, TypeError):  # no plain bytes (quantized, sparse)
+        return None
 
 
 def record_of(holder: Any) -> CheckpointRecord | None:

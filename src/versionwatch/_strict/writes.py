@@ -286,9 +286,14 @@ def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         # window, and in_step() finds its frame gone (ending the step).
         if (registry or ckpt) and (not local.step_checked or not in_step()):
             hits = on_write(name, args, kwargs)
-            if hits:
+            # A write inside a checkpointed function: did it change the saved bytes?
+            changes = _checkpoint.take_pending() if ckpt else None
+            if hits or changes:
                 out = fn(*args, **kwargs)
-                written(hits)
+                if hits:
+                    written(hits)
+                if changes:
+                    _checkpoint.after_write(changes)
                 return out
         return fn(*args, **kwargs)
 
