@@ -357,6 +357,7 @@ def on_write(label: str, targets: list[torch.Tensor], silent: bool) -> None:
     ``label`` is how a report names the write (``mul_()``, ``SGD.step() #1``).
     Nothing here may stop the write: the user's op runs whatever happens.
     """
+    _PENDING.changes = None  # what an earlier write left (an out= write) is not this one's
     try:
         _on_write(label, targets, silent)
     except Exception:
