@@ -192,6 +192,9 @@ def _checkpoint_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                       silent: bool) -> None:
     """Hand a write to the records of tensors saved inside activation checkpointing."""
     targets = list(written_tensors(name, args, kwargs))
+    registry = _checkpoint.REGISTRY
+    if not any(registry.get(storage_key(t)) for t in targets):
+        return  # the usual write: one lookup per target
     if name == "step" and THREAD.step:
         label = THREAD.step
     else:
