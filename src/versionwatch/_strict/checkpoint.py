@@ -11,7 +11,15 @@ last save (early stop, the default). No version is checked, so:
   (when early stop ends the recomputation before the write, it is not repeated);
 - a tensor ``fn`` saved that the recomputation does not make afresh (a
   parameter, a buffer, a tensor ``fn`` closes over) is read as it is at the
-  backward: a write after the forward changes what the backward reads.
+  backward: a write after the forward changes what the backward reads;
+- a tensor made inside ``fn`` is made again from the parameters it was computed
+  from (found by walking its graph back to their AccumulateGrad nodes, once per
+  node): a write to one of them after the forward changes it too.
+
+A write that leaves the bytes as they were (``relu_`` on a sigmoid's output, a
+swap undone) changes nothing, and is no hazard: the bytes are compared after a
+write inside ``fn``, and before the backward for a write after it. A write to
+other bytes of the same storage (another slice) is no hazard either.
 
 ``fn``'s explicit tensor arguments are saved by checkpoint itself with PyTorch's
 version check (it raises for a write that bumps a version), and the outputs of
