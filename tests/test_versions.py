@@ -190,3 +190,18 @@ def test_a_python_profiler_is_set_back() -> None:
         sys.setprofile(None)
     assert still is prof and events
     assert not r.ok
+
+
+def test_checkpointed_slots_are_checked_in_strict_mode() -> None:
+    expected = {"checked, its holder seen as the refused hook's argument": "peeked",
+                "checked, its holder from the raw slot": "shown"}
+    how = expected[cell("inside `checkpoint(use_reentrant=False)`, strict mode")]
+    assert _compat.CHECKPOINT_SLOTS_SHOWN is (how == "shown")
+    assert _compat.CHECKPOINT_HOLDER_PEEKED is (how == "peeked")
+    from torch.utils.checkpoint import checkpoint
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Sigmoid())
+    x = torch.ones(2, 3, requires_grad=True)
+    with versionwatch.watch(model, strict=True):
+        report = versionwatch.check(checkpoint(model, x, use_reentrant=False).sum())
+    assert report.ok and not report.unverifiable and report.saved_checked == 3

@@ -233,6 +233,7 @@ class _Peek(threading.local):
     active = False
     # strict mode's records (_strict.records.SavedRecord): a leaf does not import them
     records: list[object] | None = None
+    holder: object = None  # a checkpoint unpack hook's argument, refused (see the end)
 
 
 PEEK = _Peek()
@@ -488,3 +489,96 @@ def engine_checks_gradients() -> bool:
             # PyTorch's words for a stale tensor; any other failure says nothing.
             _ENGINE_CHECKS_GRADIENTS[0] = "inplace operation" in str(e)
     return _ENGINE_CHECKS_GRADIENTS[0]
+
+# --- non-reentrant activation checkpointing (torch.utils.checkpoint) -----------------
+# ``checkpoint(fn, x, use_reentrant=False)`` pushes a ``_checkpoint_hook``: a
+# saved_tensors_hooks pair whose pack stores an empty ``_Holder`` and whose
+# unpack reruns ``fn``; both are closures over the ``_CheckpointFrame`` (its
+# ``weak_holders``, ``early_stop``, ``forward_completed``). The same layout from
+# torch 2.4 to 2.13; probed from the code, never from a version string.
+
+
+def _checkpoint_codes() -> tuple[Any, frozenset[Any], Any]:
+    """The code objects of checkpoint's pack and unpack closures, and its generator's."""
+    try:
+        import torch.utils.checkpoint as ckpt
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return None, frozenset(), None
+    hook = getattr(ckpt, "_checkpoint_hook", None)
+    init = getattr(getattr(hook, "__init__", None), "__code__", None)
+    if init is None:
+        return None, frozenset(), None
+    codes = {c.co_name: c for c in init.co_consts if hasattr(c, "co_freevars")}
+    pack = codes.get("pack_hook")
+    unpacks = frozenset(c for n, c in codes.items()
+                        if n.startswith("unpack_hook") and "frame" in c.co_freevars)
+    if pack is None or "frame" not in pack.co_freevars:
+        return None, frozenset(), None
+    gen = getattr(getattr(ckpt, "_checkpoint_without_reentrant_generator", None),
+                  "__code__", None)
+    return pack, unpacks, gen
+
+
+CHECKPOINT_PACK_CODE, CHECKPOINT_UNPACK_CODES, CHECKPOINT_GENERATOR_CODE = _checkpoint_codes()
+"""Checkpoint's pack closure code, its unpack closures' codes, its generator's code."""
+
+
+def checkpoint_frame(hook: Any) -> Any:
+    """The ``_CheckpointFrame`` of a non-reentrant checkpoint's pack or unpack hook, else None."""
+    code = getattr(hook, "__code__", None)
+    if code is None or (code is not CHECKPOINT_PACK_CODE and code not in CHECKPOINT_UNPACK_CODES):
+        return None
+    cells = hook.__closure__
+    frame = cells[code.co_freevars.index("frame")].cell_contents
+    # The frame's parts that versionwatch reads: absent, the hook is not the one probed.
+    if not hasattr(frame, "weak_holders") or not hasattr(frame, "early_stop"):
+        return None
+    return frame
+
+
+def _early_stop_probes() -> tuple[bool, bool]:
+    import inspect
+
+    import torch.utils.checkpoint as ckpt
+
+    globally = hasattr(ckpt, "set_checkpoint_early_stop")
+    try:
+        per_call = "early_stop" in inspect.signature(ckpt.checkpoint).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        per_call = False
+    return globally, per_call
+
+
+CHECKPOINT_EARLY_STOP_GLOBAL, CHECKPOINT_EARLY_STOP_PER_CALL = _early_stop_probes()
+"""Early stop set by ``set_checkpoint_early_stop`` (every supported torch); per call,
+``checkpoint(..., early_stop=)`` (newer torch). Either way the frame's own
+``early_stop`` holds what its recomputation will do."""
+
+SELECTIVE_CHECKPOINT = hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts")
+"""``create_selective_checkpoint_contexts`` is public (not on torch 2.4)."""
+
+CHECKPOINT_SLOTS_SHOWN = CHECKPOINT_PACK_CODE is not None and hasattr(
+    torch._C._autograd.SavedTensor, "data")
+"""A hooked saved slot shows its checkpoint ``_Holder`` (``.data``) and unpack hook:
+strict mode's checkpoint records map to the slots only then (not on torch 2.4)."""
+
+
+def _checkpoint_trap(frame: FrameType, event: str, arg: object) -> None:
+    """:func:`peek`'s trap, which first notes the holder a checkpoint unpack hook was given.
+
+    On torch that hides a hooked slot's data, the only sight of checkpoint's
+    ``_Holder`` is the argument its unpack hook is called with: the trap sees
+    the call before the hook's first line, keeps the holder in ``PEEK.holder``
+    and refuses the call as before (:class:`HookedSaved`).
+    """
+    if event == "call" and PEEK.active and frame.f_code in CHECKPOINT_UNPACK_CODES:
+        PEEK.holder = frame.f_locals.get("holder")
+    _plain_trap(frame, event, arg)
+
+
+_plain_trap = _trap
+if CHECKPOINT_UNPACK_CODES:
+    globals()["_trap"] = _checkpoint_trap  # peek() reads the global at each call
+
+CHECKPOINT_HOLDER_PEEKED = bool(CHECKPOINT_UNPACK_CODES) and not CHECKPOINT_SLOTS_SHOWN
+"""Where torch hides a hooked slot's data, :func:`peek` still finds checkpoint's holder."""

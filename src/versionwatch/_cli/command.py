@@ -493,7 +493,11 @@ def _summary(watcher: AutoWatcher, err: BaseException | None) -> None:
               file=sys.stderr)
         print(watcher.timeline(), file=sys.stderr)
     else:
-        print(f"versionwatch: {watcher.backward_count} backward(s) watched, no hazard",
+        # Not a bare "no hazard" where some saved tensors were not verified.
+        from versionwatch._report.text import unverified_summary
+
+        unsure = unverified_summary(watcher._backward_pipeline.unverified)
+        print(f"versionwatch: {watcher.backward_count} backward(s) watched, no hazard{unsure}",
               file=sys.stderr)
 
 

@@ -23,6 +23,8 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 
 from versionwatch._compat import (
+    CHECKPOINT_SLOTS_SHOWN,
+    PEEK,
     SAVED_INTROSPECTION,
     SAVED_UNPACK,
     UNREAD,
@@ -31,6 +33,7 @@ from versionwatch._compat import (
     InputMetadata,
     ProfiledSaved,
     SavedTensor,
+    checkpoint_frame,
     clears_on_access,
     input_metadata,
     peek,
@@ -51,6 +54,7 @@ from versionwatch._report import (
     UNSURE_CLEARS,
     UNSURE_COPY_SLICES,
     UNSURE_ERROR,
+    UNSURE_NONREENTRANT,
     UNSURE_PROFILER,
     Hazard,
     fingerprint_hazard,
@@ -61,6 +65,8 @@ from versionwatch._strict import RECORDS as _RECORDS
 from versionwatch._strict import SavedRecord, output_of, strict_message
 from versionwatch._strict import fingerprint_changed as _fingerprint_changed
 from versionwatch._strict import unpack as _strict_unpack
+from versionwatch._strict.checkpoint import hazard_for as _checkpoint_hazard
+from versionwatch._strict.checkpoint import record_of as _checkpoint_record
 from versionwatch._torch_messages import (
     FREED,
     PRODUCER_RE,
@@ -233,7 +239,7 @@ class Checker:
         elif hooked(raw):
             if is_trusted(raw.unpack_hook):
                 self.checked += 1
-            else:
+            elif not self._checkpointed(i, fn, slot, raw):
                 self.unverifiable.append((fn.name(), slot))
         else:
             try:
@@ -244,6 +250,28 @@ class Checker:
                 return
             if self.silent:
                 self._silent(i, fn, slot, raw.data)
+
+    def _checkpointed(self, i: int, fn: Node, slot: str, raw: Any) -> bool:
+        """A slot inside non-reentrant checkpointing: strict mode's record of it decides.
+
+        False if ``raw`` is no checkpoint's. Without a record (the default mode,
+        or a save strict mode did not see) it is not verified, and says why.
+        """
+        if not CHECKPOINT_SLOTS_SHOWN or checkpoint_frame(raw.unpack_hook) is None:
+            return False
+        return self._checkpoint_holder(i, fn, slot, raw.data)
+
+    def _checkpoint_holder(self, i: int, fn: Node, slot: str, holder: object) -> bool:
+        """:meth:`_checkpointed` for the slot whose checkpoint holder is ``holder``."""
+        rec = _checkpoint_record(holder)
+        if rec is None:
+            self._unsure(fn.name(), slot, UNSURE_NONREENTRANT)
+            return True
+        self.checked += 1
+        h, data = _checkpoint_hazard(rec, fn.name(), slot)
+        if h is not None:
+            self.findings.append(Finding(i, len(self.findings), h, data))
+        return True
 
     def _strict(self, i: int, fn: Node, slot: str, rec: SavedRecord) -> None:
         """A tensor strict mode packed: its record knows the versions and the writes."""
@@ -301,7 +329,7 @@ class Checker:
                     self._strict(i, fn, f"{slot}[{k}]", raw.data)
                 elif is_trusted(raw.unpack_hook):
                     self.checked += 1
-                else:
+                elif not self._checkpointed(i, fn, f"{slot}[{k}]", raw):
                     self.unverifiable.append((fn.name(), f"{slot}[{k}]"))
                 continue
             try:
@@ -360,7 +388,11 @@ class Checker:
                     self._strict(i, fn, f"saved_tensors[{k}]", r.data)
                 return
             name = fn.name()
-            self.unverifiable += [(name, f"saved_tensors[{k}]") for k in range(len(raws))]
+            for k, r in enumerate(raws):
+                if getattr(r, "unpack_hook", None) is _strict_unpack:
+                    self._strict(i, fn, f"saved_tensors[{k}]", r.data)
+                elif not (hooked(r) and self._checkpointed(i, fn, f"saved_tensors[{k}]", r)):
+                    self.unverifiable.append((name, f"saved_tensors[{k}]"))
             return
         if clears_on_access(fn):
             # Reading ctx.saved_tensors would clear them: the backward would then
@@ -463,6 +495,7 @@ class BlindChecker(Checker):
                 self._peek_slot(i, fn, slot, raw_attr, saved_attr)
 
     def _peek_slot(self, i: int, fn: Node, slot: str, raw_attr: str, saved_attr: str) -> None:
+        PEEK.holder = None
         try:
             value, found = peek(fn, saved_attr)
             # what strict mode's unpack hook handed peek: its own records
@@ -471,7 +504,12 @@ class BlindChecker(Checker):
             self._unsure(fn.name(), slot, UNSURE_PROFILER)
             return
         except HookedSaved:
-            self.unverifiable.append((fn.name(), slot))
+            holder, PEEK.holder = PEEK.holder, None
+            # A list's read stops at its first hooked element: only one tensor is exact.
+            if holder is not None and isinstance(getattr(fn, raw_attr, None), (tuple, list)):
+                holder = None
+            if holder is None or not self._checkpoint_holder(i, fn, slot, holder):
+                self.unverifiable.append((fn.name(), slot))
             return
         except RuntimeError as e:
             # A list slot fails as a whole here: its one element, else no index.

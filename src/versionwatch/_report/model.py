@@ -568,6 +568,9 @@ UNSURE_HOOKS = "behind saved_tensors_hooks"
 """Behind an unpack hook that is not ours: reading it would run user code."""
 UNSURE_CHECKPOINT = "a reentrant checkpoint reruns its forward"
 """A reentrant checkpoint's backward runs a forward and a backward no walk can see."""
+UNSURE_NONREENTRANT = "inside checkpoint(use_reentrant=False)"
+"""Saved inside non-reentrant checkpointing, which recomputes it at backward:
+strict mode checks it (its records of the saves and of the writes)."""
 UNSURE_COPY_SLICES = "an in-place custom Function on a view (CopySlices), not run"
 """CopySlices wraps a custom Function, whose backward (user code) the check never runs."""
 UNSURE_CLEARS = "cleared on first read (clear_saved_tensors_on_access)"
@@ -593,7 +596,8 @@ class Report:
             that could run user code, and the others of :attr:`unverifiable_why`.
         unverifiable_why: why, for each entry of :attr:`unverifiable` that is
             not behind hooks (:data:`UNSURE_HOOKS`): :data:`UNSURE_CHECKPOINT`,
-            :data:`UNSURE_COPY_SLICES`, :data:`UNSURE_CLEARS`, :data:`UNSURE_ERROR`,
+            :data:`UNSURE_NONREENTRANT`, :data:`UNSURE_COPY_SLICES`, :data:`UNSURE_CLEARS`,
+            :data:`UNSURE_ERROR`,
             :data:`UNSURE_PROFILER`.
         nodes: how many autograd nodes the backward would execute.
         saved_checked: how many saved tensors were verified.

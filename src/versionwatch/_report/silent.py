@@ -59,20 +59,54 @@ def silent_fix(h: Hazard) -> str:
 
 
 # --- checkpoint ---------------------------------------------------------------
+# Two cases (versionwatch._strict.checkpoint): a write inside the checkpointed
+# function that its recomputation repeats ("repeats this write" in the first
+# fact line), a write after the forward to a saved tensor the recomputation
+# reads again (a parameter), and a saved tensor made inside the function that
+# the recomputation makes again from a parameter written since ("makes this
+# tensor again").
+
+
+def _checkpoint_repeated(h: Hazard) -> bool:
+    return any("repeats this write" in n for n in h.notes)
+
+
+def _checkpoint_remade(h: Hazard) -> bool:
+    return any("makes this tensor again" in n for n in h.notes)
 
 
 def _checkpoint_headline(h: Hazard) -> str:
     where = h.hidden_by or "checkpoint(use_reentrant=False)"
+    if _checkpoint_repeated(h):
+        what = ("was modified in place after it was saved, and the recomputation during "
+                "backward repeats the write")
+    elif _checkpoint_remade(h):
+        what = ("is made again during backward from a tensor that was changed after the "
+                "forward")
+    else:
+        what = ("was changed after the forward, and the recomputation during backward reads "
+                "it as it is then")
     return (
         f"versionwatch: backward will compute wrong gradients: {h.describe_tensor()} "
-        f"saved by {h.node} inside {where} was changed, and the recomputation reads the change"
+        f"saved by {h.node} inside {where} {what}"
     )
 
 
 def _checkpoint_fix(h: Hazard) -> str:
+    if _checkpoint_repeated(h):
+        return (
+            "don't modify in place a tensor that an op inside the checkpointed function "
+            "saved: use the out-of-place form (`x = x * s` instead of `x.mul_(s)`) or modify "
+            "a `.clone()`"
+        )
+    name = h.tensor or "the tensor"
+    for n in h.notes:  # "... makes this tensor again from NAMES as it is then, ..."
+        if "makes this tensor again from " in n:
+            name = n.split("makes this tensor again from ", 1)[1].split(" as it is then", 1)[0]
     return (
-        "don't modify in place a tensor that an op inside the checkpointed function saved: "
-        "use the out-of-place form (`x = x * s` instead of `x.mul_(s)`) or modify a `.clone()`"
+        f"{name} was changed between the checkpointed forward and its backward, which "
+        "recomputes from it: make that change after this backward, or re-run the forward "
+        "after it"
     )
 
 

@@ -13,7 +13,13 @@ import re
 
 from versionwatch._report import dot as _dot  # noqa: F401  (loads and registers the Graphviz renderer)
 from versionwatch._report.advice import rewrite_for
-from versionwatch._report.model import UNSURE_HOOKS, Hazard, Report, register_renderer
+from versionwatch._report.model import (
+    UNSURE_HOOKS,
+    UNSURE_NONREENTRANT,
+    Hazard,
+    Report,
+    register_renderer,
+)
 from versionwatch._report.silent import gradient_facts, silent_headline
 from versionwatch._report.source_lines import without_comment
 
@@ -228,7 +234,12 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
             f"{report.saved_checked} saved tensors checked"
         )
         if report.unverifiable:
-            text += f", {len(report.unverifiable)} not verifiable ({_unsure_why(report)})"
+            why = _unsure_why(report)
+            if why == UNSURE_NONREENTRANT:
+                text += (f", {len(report.unverifiable)} saved tensors {UNSURE_NONREENTRANT} "
+                         "not verified: --strict checks them")
+            else:
+                text += f", {len(report.unverifiable)} not verifiable ({why})"
         return text
     lines = [_headline(report, h)]
     facts = _facts(h, report)
@@ -263,6 +274,8 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
         lines.append(
             f"  note: {len(report.unverifiable)} saved tensors are behind saved_tensors_hooks "
             "and were not verified" if why == UNSURE_HOOKS
+            else f"  note: {len(report.unverifiable)} saved tensors {why} not verified: "
+            "--strict checks them" if why == UNSURE_NONREENTRANT
             else f"  note: {len(report.unverifiable)} not verified ({why})")
     return "\n".join(lines)
 
@@ -276,6 +289,24 @@ def _unsure_why(report: Report) -> str:
     if len(counts) == 1:
         return next(iter(counts))
     return "; ".join(f"{n} {why}" for why, n in counts.items())
+
+
+def unverified_summary(unverified: dict[str, int]) -> str:
+    """What a clean run's closing line adds for saved tensors it did not verify, or "".
+
+    ``unverified``: why -> how many saved tensors, summed over the backwards,
+    and ``""`` -> how many backwards had some (a watcher's tally).
+    """
+    counts = {why: n for why, n in unverified.items() if why}
+    if not counts:
+        return ""
+    total = sum(counts.values())
+    of = f"in {unverified.get('', 0)} of them"
+    if list(counts) == [UNSURE_NONREENTRANT]:
+        return (f"; {total} saved tensors {UNSURE_NONREENTRANT} not verified ({of}): "
+                "--strict checks them")
+    why = "; ".join(f"{n} {w}" for w, n in counts.items())
+    return f"; {total} saved tensors not verified ({of}: {why})"
 
 
 register_renderer("text", render_report)

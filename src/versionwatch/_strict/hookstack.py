@@ -14,6 +14,10 @@ Python entry points are wrapped:
 - disabling the hooks (``torch.func`` does) sets our entries aside while
   they are disabled, where PyTorch would refuse, and ``enable`` puts them back.
 
+A non-reentrant checkpoint's pair is pushed with its pack hook wrapped, so that
+strict mode keeps a record of each tensor saved inside it (see
+:mod:`versionwatch._strict.checkpoint`); checkpoint stores and returns the same.
+
 No thread may pop another thread's stack: a watcher closed from another
 thread leaves its entry, inert, for its own thread to take out at its next
 contact with versionwatch: a save through that entry (the pack hook takes it
@@ -35,6 +39,7 @@ from typing import Any, TypeVar, Union
 import torch
 
 from versionwatch._runtime import Anchor, Call, Change, Patch, Subscription, add_probe
+from versionwatch._strict import checkpoint as _checkpoint
 
 _C: Any = torch._C._autograd
 _NAMES = ("_push_saved_tensors_default_hooks", "_pop_saved_tensors_default_hooks",
@@ -113,6 +118,7 @@ def changes(pack: Callable[[torch.Tensor], _Packed],
         STATE.held = WRAPPERS.subscribe()
 
     def stop() -> None:
+        _checkpoint.clear()
         held, STATE.held = STATE.held, None
         if held is not None:
             held.remove()
@@ -272,6 +278,9 @@ def _push(pack_hook: Callable[[torch.Tensor], object],
         _real("_push_saved_tensors_default_hooks")(pack_hook, unpack_hook)
         return
     settle()
+    # A non-reentrant checkpoint's pack gets a record of each save beside its
+    # holder (what it stores and returns is unchanged): see _strict.checkpoint.
+    pack_hook = _checkpoint.wrap_pack(pack_hook, unpack_hook)
     _real("_push_saved_tensors_default_hooks")(pack_hook, unpack_hook)
     shadow = _shadow()
     if shadow:

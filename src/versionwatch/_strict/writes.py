@@ -31,6 +31,7 @@ from versionwatch._compat import engine_checks_gradients, jit_builtins
 from versionwatch._report import Modification, Site, Writer
 from versionwatch._runtime import Change, Entry, Patch, Registry
 from versionwatch._sites import site_at, user_frames, user_site
+from versionwatch._strict import checkpoint as _checkpoint
 from versionwatch._strict.gradients import candidates, on_gradient_write
 from versionwatch._strict.records import (
     RECORDS,
@@ -177,6 +178,8 @@ def on_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
             _gradient_write(name, args, kwargs)
         finally:
             THREAD.busy = False
+    if _checkpoint.REGISTRY and not THREAD.busy:
+        _checkpoint_write(name, args, kwargs, silent)
     if not RECORDS or THREAD.busy:
         return None
     hits: list[tuple[torch.Tensor, SavedRecord]] = []
@@ -206,6 +209,25 @@ def _gradient_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     if targets:
         label = _LABELS.get(name, f"{name}()" if not name.endswith(")") else name)
         on_gradient_write(label, user_site(), targets, OWNERS.newest())
+
+
+def _checkpoint_write(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      silent: bool) -> None:
+    """Hand a write to the records of tensors saved inside activation checkpointing."""
+    targets = list(written_tensors(name, args, kwargs))
+    registry = _checkpoint.REGISTRY
+    if not any(registry.get(storage_key(t)) for t in targets):
+        return  # the usual write: one lookup per target
+    if name == "step" and THREAD.step:
+        label = THREAD.step
+    else:
+        label = _LABELS.get(name, f"{name}()" if not name.endswith(")") else name)
+    silent = silent or any(_is_silent(name, t) for t in targets)
+    THREAD.busy = True
+    try:
+        _checkpoint.on_write(label, targets, silent)
+    finally:
+        THREAD.busy = False
 
 
 def written(hits: _Hits) -> None:
@@ -282,6 +304,7 @@ def _report_write(name: str, hits: list[tuple[torch.Tensor, SavedRecord]],
 def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     name = attr
     registry, local, owners, in_backward = RECORDS, THREAD, OWNERS, _in_backward
+    ckpt = _checkpoint.REGISTRY
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -289,12 +312,17 @@ def _wrap(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         # A checked step's own writes are skipped; one that raised has left its
         # window, and in_step() finds its frame gone (ending the step). During a
         # backward every write is looked at: it may hit a gradient in flight.
-        if (registry or (in_backward() != -1 and owners)) and (
+        if (registry or ckpt or (in_backward() != -1 and owners)) and (
                 not local.step_checked or not in_step()):
             hits = on_write(name, args, kwargs)
-            if hits:
+            # A write inside a checkpointed function: did it change the saved bytes?
+            changes = _checkpoint.take_pending() if ckpt else None
+            if hits or changes:
                 out = fn(*args, **kwargs)
-                written(hits)
+                if hits:
+                    written(hits)
+                if changes:
+                    _checkpoint.after_write(changes)
                 return out
         return fn(*args, **kwargs)
 
@@ -306,7 +334,7 @@ def _wrap_out(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if kwargs and RECORDS and kwargs.get("out") is not None:
+        if kwargs and (RECORDS or _checkpoint.REGISTRY) and kwargs.get("out") is not None:
             on_write(name, (), kwargs)
         return fn(*args, **kwargs)
 

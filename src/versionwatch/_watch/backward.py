@@ -63,6 +63,14 @@ def _this_thread(silent: dict[int, int], scope: Sequence[InScope]) -> dict[int, 
     return {k: c for k, c in silent.items() if on.get(k, me) == me}
 
 
+def _tally(into: dict[str, int], report: Report) -> None:
+    """Add ``report``'s unverified saved tensors to ``into`` (why -> count; "" -> backwards)."""
+    into[""] = into.get("", 0) + 1
+    for node, slot in report.unverifiable:
+        why = report.why_unverifiable(node, slot)
+        into[why] = into.get(why, 0) + 1
+
+
 class BackwardHost(Protocol):
     """What a :class:`BackwardPipeline` asks of its watcher, at each backward.
 
@@ -93,7 +101,7 @@ class BackwardPipeline:
     """
 
     __slots__ = ("count", "ledger", "names", "repairer", "replay_at", "silent", "stepped_aside",
-                 "strict")
+                 "strict", "unverified")
 
     def __init__(self, names: dict[int, str], ledger: Ledger, silent: dict[int, int],
                  strict: bool, repairer: Repairer | None) -> None:
@@ -106,6 +114,9 @@ class BackwardPipeline:
         # `versionwatch run --replay`'s strict re-run: the backward number to stop at.
         self.replay_at: int | None = None
         self.stepped_aside = False  # set once a torch.func transform ran unwatched
+        # Saved tensors not verified, summed over the backwards: why -> how many,
+        # and "" -> how many backwards had some (a clean run's summary says so).
+        self.unverified: dict[str, int] = {}
 
     def run(self, host: BackwardHost, api: str, outputs: Any, inputs: Any,
             call: Callable[[], Any], arguments: tuple[tuple[Any, ...], dict[str, Any]] | None,
@@ -156,6 +167,8 @@ class BackwardPipeline:
                     and rejected(api, *arguments):
                 report = None  # PyTorch rejects the arguments before any saved tensor: its error
             if report is not None:
+                if report.unverifiable:
+                    _tally(self.unverified, report)
                 report.backward_site = site
                 report.backward = n
                 if self.ledger.threaded:

@@ -260,9 +260,13 @@ class VersionWatch(pl.Callback):
         else:
             t = w.timeline()
             tail = Timeline(t.columns, t.rows[-_TAIL:], t.saved)
+            # Not a bare "no hazard" where some saved tensors were not verified.
+            from versionwatch._report.text import unverified_summary
+
+            unsure = unverified_summary(w._backward_pipeline.unverified)
             logger.info(
-                "versionwatch: fit ended; %d backward(s) predicted, no hazard; "
-                "the latest events:\n%s", backwards, tail,
+                "versionwatch: fit ended; %d backward(s) predicted, no hazard%s; "
+                "the latest events:\n%s", backwards, unsure, tail,
             )
 
 
