@@ -494,7 +494,7 @@ def _summary(watcher: AutoWatcher, err: BaseException | None) -> None:
         print(watcher.timeline(), file=sys.stderr)
     else:
         # Not a bare "no hazard" where some saved tensors were not verified.
-        from versionwatch._report.text import unverified_summary
+        from versionwatch._report import unverified_summary
 
         unsure = unverified_summary(watcher._backward_pipeline.unverified)
         print(f"versionwatch: {watcher.backward_count} backward(s) watched, no hazard{unsure}",

@@ -63,10 +63,10 @@ from versionwatch._runtime import Anchor, Patch
 from versionwatch._strict import FINGERPRINTS as _FINGERPRINTS
 from versionwatch._strict import RECORDS as _RECORDS
 from versionwatch._strict import SavedRecord, output_of, strict_message
+from versionwatch._strict import checkpoint_hazard as _checkpoint_hazard
+from versionwatch._strict import checkpoint_record as _checkpoint_record
 from versionwatch._strict import fingerprint_changed as _fingerprint_changed
 from versionwatch._strict import unpack as _strict_unpack
-from versionwatch._strict.checkpoint import hazard_for as _checkpoint_hazard
-from versionwatch._strict.checkpoint import record_of as _checkpoint_record
 from versionwatch._torch_messages import (
     FREED,
     PRODUCER_RE,
@@ -269,7 +269,7 @@ class Checker:
             return True
         self.checked += 1
         h, data = _checkpoint_hazard(rec, fn.name(), slot)
-        if h is not None:
+        if h is not None and not (h.kind == "silent" and _unread(fn, slot)):
             self.findings.append(Finding(i, len(self.findings), h, data))
         return True
 
@@ -279,6 +279,8 @@ class Checker:
         t = rec.tensor
         if t._version != rec.version:
             kind: Literal["inplace", "silent"] = "inplace"
+        elif _unread(fn, slot):
+            return  # changed bytes that this backward never reads: no wrong gradient
         elif rec.silent:
             kind = "silent"
         elif _FINGERPRINTS.on:  # opt-in: plain strict mode pays this one check
@@ -590,6 +592,21 @@ def _shape(t: torch.Tensor) -> tuple[int, ...] | None:
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
+
+
+_RUNNING_STATS = frozenset({"running_mean", "running_var"})
+
+
+def _unread(fn: Node, slot: str) -> bool:
+    """A slot the node saved but whose values its backward does not read.
+
+    Batch norm saves its running statistics in training mode too, and its
+    backward then uses the batch's own (``result1``, ``result2``): PyTorch's
+    version check still fails on a write to them, but a write with no version
+    bump (DistributedDataParallel's buffer broadcast, the kernel's own update)
+    changes no gradient, so it is no ``silent`` hazard.
+    """
+    return slot in _RUNNING_STATS and getattr(fn, "_saved_training", None) is True
 
 
 def _strict_writes(h: Hazard, base: InputMetadata | None) -> None:

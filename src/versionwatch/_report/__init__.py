@@ -41,12 +41,18 @@ from versionwatch._report.model import (
     relative_path,
     size,
 )
-from versionwatch._report.silent import fingerprint_hazard
-from versionwatch._report.text import render_report
+from versionwatch._report.silent import (
+    SILENT_TAIL,
+    fingerprint_hazard,
+    gradient_consumer,
+    silent_fix,
+)
+from versionwatch._report.text import render_report, unverified_summary
 
 __all__ = [
     "BACKWARD_SUFFIX",
     "SCHEMA",
+    "SILENT_TAIL",
     "UNSURE_CHECKPOINT",
     "UNSURE_CLEARS",
     "UNSURE_COPY_SLICES",
@@ -70,9 +76,12 @@ __all__ = [
     "add_note",
     "fingerprint_hazard",
     "fix_for",
+    "gradient_consumer",
     "op_name",
     "relative_path",
     "render_report",
     "report_dict",
+    "silent_fix",
     "size",
+    "unverified_summary",
 ]

@@ -51,6 +51,15 @@ def silent_fix(h: Hazard) -> str:
         return _gradient_fix(h)
     if h.cause == "fingerprint":
         return _fingerprint_fix(h)
+    if any(m.description.startswith("a write under _unsafe_preserve_version_counter")
+           for m in h.modified_by):
+        return (
+            f"{name} was overwritten inside _unsafe_preserve_version_counter, which puts its "
+            "version back (DistributedDataParallel's buffer broadcast does this): run one "
+            "forward on the concatenated batch before backward, or pass "
+            "broadcast_buffers=False to DistributedDataParallel, or convert BatchNorm with "
+            "nn.SyncBatchNorm.convert_sync_batchnorm(model)"
+        )
     return (
         f"{name} was changed without a version bump (fused optimizer, .data, or a "
         "no_grad write through .data); run every backward that needs it before the "

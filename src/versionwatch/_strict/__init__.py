@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 from versionwatch._package import lazy_names
 
 if TYPE_CHECKING:
+    from versionwatch._strict.checkpoint import checkpoint_hazard as checkpoint_hazard
+    from versionwatch._strict.checkpoint import checkpoint_record as checkpoint_record
     from versionwatch._strict.fingerprint import FINGERPRINT_ANCHOR as FINGERPRINT_ANCHOR
     from versionwatch._strict.fingerprint import FINGERPRINTS as FINGERPRINTS
     from versionwatch._strict.fingerprint import fingerprint_changed as fingerprint_changed
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
 _WHERE = {
     "attach": "versionwatch._strict.mode",
     "begin_step": "versionwatch._strict.thread",
+    "checkpoint_hazard": "versionwatch._strict.checkpoint",
+    "checkpoint_record": "versionwatch._strict.checkpoint",
     "end_step": "versionwatch._strict.thread",
     "FINGERPRINT_ANCHOR": "versionwatch._strict.fingerprint",
     "fingerprint_changed": "versionwatch._strict.fingerprint",

@@ -51,10 +51,12 @@ from typing import Any
 import torch
 
 from versionwatch._compat import CHECKPOINT_GENERATOR_CODE, checkpoint_frame, sequence_nr
-from versionwatch._report import BACKWARD_SUFFIX, ForwardRef, Hazard, Modification
-from versionwatch._report.silent import SILENT_TAIL
+from versionwatch._report import BACKWARD_SUFFIX, SILENT_TAIL, ForwardRef, Hazard, Modification
 from versionwatch._runtime import add_probe
 from versionwatch._sites import _is_library, is_library, site_at, user_site
+from versionwatch._strict import hookstack as _hookstack
+from versionwatch._strict import records
+from versionwatch._strict.records import module_named, storage_key
 from versionwatch._strict.thread import THREAD
 
 HIDDEN_BY = "checkpoint(use_reentrant=False)"
@@ -168,8 +170,6 @@ def _overlap(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    from versionwatch._strict.records import storage_key
-
     return storage_key(t)
 
 
@@ -180,8 +180,6 @@ def wrap_pack(pack_hook: Callable[[torch.Tensor], Any],
     Called as the hook pair is pushed (strict mode's stack wrapper), outside
     any backward. The wrapper returns what checkpoint's own pack returns.
     """
-    from versionwatch._strict import records
-
     frame = checkpoint_frame(pack_hook)
     if frame is None or not records._recording:  # wrappers kept for another thread's entry
         return pack_hook
@@ -319,8 +317,6 @@ def _param_bit(info: _Frame, var: torch.Tensor, index: int) -> int:
 
 def _param_names() -> dict[int, str]:
     """id(parameter) -> qualified name, from the root module strict mode runs (if any)."""
-    from versionwatch._strict.records import module_named
-
     stack = THREAD.modules
     if not stack:
         return {}
@@ -574,3 +570,10 @@ def _restored(rec: CheckpointRecord, root: torch.Tensor) -> bool:
 
 
 add_probe("checkpoint records", lambda: len(HOLDERS))
+# The names the predictor imports through the folder's __init__.
+checkpoint_hazard = hazard_for
+checkpoint_record = record_of
+
+# The saved-tensor hook stack sits below this module: it calls up through these.
+_hookstack.PACK_WRAPPERS.append(wrap_pack)
+_hookstack.ON_STOP.append(clear)

@@ -29,16 +29,22 @@ import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from types import FrameType
+from typing import Any, Protocol
 
 import torch
+from torch.autograd.graph import Node
 
 from versionwatch._report import Hazard, Modification, Site
 from versionwatch._runtime import add_probe
 from versionwatch._strict.thread import THREAD
 
-if TYPE_CHECKING:
-    from versionwatch._strict.writes import StrictOwner
+
+class StrictOwner(Protocol):
+    """The watcher a report goes to, as this module needs it (``writes.StrictOwner``'s
+    face, declared here: :mod:`writes` calls into this module)."""
+
+    def on_strict_write(self, hazards: list[Hazard], records: list[Any]) -> None: ...
 
 # PyTorch's frame that calls into the C++ engine (torch/autograd/graph.py).
 _ENGINE_ENTRY = "_engine_run_backward"
@@ -85,7 +91,7 @@ class _Task:
 _TASKS: dict[int, _Task] = {}
 
 
-def _roots_from(frame: Any) -> list[Any] | None:
+def _roots_from(frame: FrameType | None) -> list[Node] | None:
     """The ``grad_fn``s (or gradient edges' nodes) ``_engine_run_backward`` was called with."""
     while frame is not None:
         if frame.f_code.co_name == _ENGINE_ENTRY:
@@ -102,7 +108,7 @@ def _roots_from(frame: Any) -> list[Any] | None:
     return None
 
 
-def _walk(roots: list[Any]) -> list[Any]:
+def _walk(roots: list[Node]) -> list[Node]:
     """Every node reachable from ``roots``, once each."""
     seen: set[int] = set()
     out: list[Any] = []
@@ -117,7 +123,7 @@ def _walk(roots: list[Any]) -> list[Any]:
     return out
 
 
-def _graph_of(node: Any) -> list[Any] | None:
+def _graph_of(node: Node) -> list[Node] | None:
     """The nodes of the backward that runs ``node``: from this thread's frames, else another's."""
     roots = _roots_from(sys._getframe(2))
     if roots is not None:
@@ -134,7 +140,7 @@ def _graph_of(node: Any) -> list[Any] | None:
     return None
 
 
-def _walk_with(roots: list[Any], node: Any) -> list[Any] | None:
+def _walk_with(roots: list[Node], node: Node) -> list[Node] | None:
     """The nodes reachable from ``roots``, if ``node`` is one of them."""
     nodes = _walk(roots)
     return nodes if any(n is node for n in nodes) else None
@@ -220,7 +226,7 @@ def _hooked_module(owner: StrictOwner) -> str | None:
     return None
 
 
-def _follow(task: _Task, w: _Write, node: Any) -> None:
+def _follow(task: _Task, w: _Write, node: Node) -> None:
     """Note which of ``node``'s children it hands the written tensor itself to."""
     nexts = [c for c, _ in node.next_functions]
     if not any(c is not None for c in nexts):
@@ -277,7 +283,7 @@ def _reader(task: _Task, consumer: Any, owner: StrictOwner) -> Any:
     return pre_hook
 
 
-def _producers(task: _Task, receiver: Any, consumer: Any) -> list[str]:
+def _producers(task: _Task, receiver: Node, consumer: Node) -> list[str]:
     """The node that handed the tensor to ``consumer``: one with an edge to both, else
     the one other node with an edge to ``consumer``."""
     if task.parents is None:
@@ -292,7 +298,7 @@ def _producers(task: _Task, receiver: Any, consumer: Any) -> list[str]:
     return both or ([str(others[0].name())] if len(others) == 1 else [])
 
 
-def _consumer_name(owner: StrictOwner, consumer: Any) -> str:
+def _consumer_name(owner: StrictOwner, consumer: Node) -> str:
     variable = getattr(consumer, "variable", None)
     if variable is None:
         return str(consumer.name())
@@ -301,9 +307,9 @@ def _consumer_name(owner: StrictOwner, consumer: Any) -> str:
     return f"AccumulateGrad of {name}" if name else "AccumulateGrad of a leaf tensor"
 
 
-def _report(owner: StrictOwner, task: _Task, w: _Write, consumer: Any) -> None:
+def _report(owner: StrictOwner, task: _Task, w: _Write, consumer: Node) -> None:
     """Deliver the hazard through the watcher's on_hazard, as a write's report."""
-    from versionwatch._report.silent import SILENT_TAIL, gradient_consumer, silent_fix
+    from versionwatch._report import SILENT_TAIL, gradient_consumer, silent_fix
 
     __tracebackhide__ = True
     t = w.ref()

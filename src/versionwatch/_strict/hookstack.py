@@ -39,7 +39,6 @@ from typing import Any, TypeVar, Union
 import torch
 
 from versionwatch._runtime import Anchor, Call, Change, Patch, Subscription, add_probe
-from versionwatch._strict import checkpoint as _checkpoint
 
 _C: Any = torch._C._autograd
 _NAMES = ("_push_saved_tensors_default_hooks", "_pop_saved_tensors_default_hooks",
@@ -109,6 +108,14 @@ def _suspended() -> list[Entry]:
     return suspended
 
 
+# Filled by :mod:`versionwatch._strict.checkpoint`, which sits above this module
+# (it reads strict mode's records): how a pushed pair's pack hook is wrapped, and
+# what to forget when strict mode stops.
+PACK_WRAPPERS: list[Callable[[Callable[[torch.Tensor], Any], Callable[..., torch.Tensor]],
+                             Callable[[torch.Tensor], Any]]] = []
+ON_STOP: list[Callable[[], None]] = []
+
+
 def changes(pack: Callable[[torch.Tensor], _Packed],
             unpack: Callable[[_Packed], torch.Tensor]) -> list[Change]:
     """Strict mode's part: its hook pair, and a hold on the stack's wrappers."""
@@ -118,7 +125,8 @@ def changes(pack: Callable[[torch.Tensor], _Packed],
         STATE.held = WRAPPERS.subscribe()
 
     def stop() -> None:
-        _checkpoint.clear()
+        for forget in ON_STOP:
+            forget()
         held, STATE.held = STATE.held, None
         if held is not None:
             held.remove()
@@ -280,7 +288,8 @@ def _push(pack_hook: Callable[[torch.Tensor], object],
     settle()
     # A non-reentrant checkpoint's pack gets a record of each save beside its
     # holder (what it stores and returns is unchanged): see _strict.checkpoint.
-    pack_hook = _checkpoint.wrap_pack(pack_hook, unpack_hook)
+    for wrap in PACK_WRAPPERS:
+        pack_hook = wrap(pack_hook, unpack_hook)
     _real("_push_saved_tensors_default_hooks")(pack_hook, unpack_hook)
     shadow = _shadow()
     if shadow:

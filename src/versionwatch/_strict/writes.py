@@ -67,6 +67,7 @@ _LABELS = {
     "__itruediv__": "/=", "__idiv__": "/=", "__ifloordiv__": "//=", "__imod__": "%=",
     "__ipow__": "**=", "__iand__": "&=", "__ior__": "|=", "__ixor__": "^=",
     "__ilshift__": "<<=", "__irshift__": ">>=", "data": ".data = ...",
+    "_unsafe_preserve_version_counter": "a write under _unsafe_preserve_version_counter",
 }
 
 
@@ -341,6 +342,37 @@ def _wrap_out(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _preserve_class() -> Any:
+    """``torch.autograd._unsafe_preserve_version_counter``, where this torch has it."""
+    cls = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+    return cls if isinstance(cls, type) and "__enter__" in vars(cls) else None
+
+
+def _wrap_preserve(enter: Callable[[Any], None]) -> Callable[[Any], None]:
+    """Whatever is written inside the block ends at its old version: a silent write.
+
+    DistributedDataParallel broadcasts its buffers inside this block (recent
+    torch), from C++, where no wrapper of ours sees the copy; the block is the
+    one Python entry it has. Its tensors (``tensors`` on new torch, ``tensor``
+    on 2.4) are named before the block runs, so a record they hit keeps its
+    bytes now, and the prediction compares them: a broadcast of the same values
+    is no hazard.
+    """
+
+    @functools.wraps(enter)
+    def __enter__(self: Any) -> None:
+        __tracebackhide__ = True
+        if RECORDS and not THREAD.busy:
+            tensors = getattr(self, "tensors", None)
+            if tensors is None:
+                tensors = (getattr(self, "tensor", None),)
+            on_write("_unsafe_preserve_version_counter",
+                     ([t for t in tensors if isinstance(t, torch.Tensor)],), {}, silent=True)
+        return enter(self)
+
+    return __enter__
+
+
 def _data_getter() -> property:
     original: Any = vars(torch._C.TensorBase)["data"]
 
@@ -454,6 +486,9 @@ def changes() -> list[Change]:
         if fn is not None:
             changes.append(Patch(tensor, attr, _wrap(attr, fn)))
     changes.append(Patch(tensor, "data", _data_getter()))
+    preserve = _preserve_class()
+    if preserve is not None:
+        changes.append(Patch(preserve, "__enter__", _wrap_preserve(preserve.__enter__)))
     changes.append(Patch(tensor, "detach_", _wrap_detach(tensor.detach_)))
     saved: Any = torch._C._autograd.SavedTensor
     changes.append(Patch(saved, "register_hooks", _wrap_register_hooks(saved.register_hooks)))

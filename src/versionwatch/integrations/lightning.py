@@ -261,7 +261,7 @@ class VersionWatch(pl.Callback):
             t = w.timeline()
             tail = Timeline(t.columns, t.rows[-_TAIL:], t.saved)
             # Not a bare "no hazard" where some saved tensors were not verified.
-            from versionwatch._report.text import unverified_summary
+            from versionwatch._report import unverified_summary
 
             unsure = unverified_summary(w._backward_pipeline.unverified)
             logger.info(
