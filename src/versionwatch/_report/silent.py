@@ -54,8 +54,8 @@ def silent_fix(h: Hazard) -> str:
     if any(m.description.startswith("a write under _unsafe_preserve_version_counter")
            for m in h.modified_by):
         return (
-            f"{name} was overwritten inside _unsafe_preserve_version_counter, which puts its "
-            "version back (DistributedDataParallel's buffer broadcast does this): run one "
+            "a write inside _unsafe_preserve_version_counter puts the version back "
+            "(DistributedDataParallel's buffer broadcast does this): run one "
             "forward on the concatenated batch before backward, or pass "
             "broadcast_buffers=False to DistributedDataParallel, or convert BatchNorm with "
             "nn.SyncBatchNorm.convert_sync_batchnorm(model)"
