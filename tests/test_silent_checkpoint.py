@@ -599,3 +599,48 @@ def test_a_write_inside_is_reported_only_where_it_changes_the_saved_output(act: 
     else:
         assert not _same(plain, reference)
         assert [h.where for h in reports[0].hazards] == ["TanhBackward0.result"]
+
+
+def test_fix_verifies_the_out_of_place_write_against_the_program_as_meant(
+        tmp_path: Path) -> None:
+    """``versionwatch fix`` compares a patch with the program as its author meant it;
+    under checkpointing that run calls the checkpointed function plainly (the
+    recomputation would repeat the write, which no repair undoes), so the
+    out-of-place patch is verified, not rejected for "values differ"."""
+    (tmp_path / "train.py").write_text(textwrap.dedent('''\
+        import torch
+        from torch import nn
+        from torch.utils.checkpoint import checkpoint
+
+
+        class Gated(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gate_proj = nn.Linear(4, 4)
+                self.up = nn.Linear(4, 4)
+
+            def block(self, x):
+                gate = torch.sigmoid(self.gate_proj(x))
+                gate.mul_(0.5)
+                return x + gate * self.up(x)
+
+            def forward(self, x):
+                return checkpoint(self.block, x, use_reentrant=False)
+
+
+        torch.manual_seed(0)
+        model = Gated()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            loss = model(torch.randn(3, 4, requires_grad=True)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        '''))
+    out = subprocess.run([sys.executable, "-m", "versionwatch", "fix", "train.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr  # a hazard, nothing applied
+    assert "verified: `gate = gate.mul(...)`" in out.stdout, out.stdout + out.stderr
+    assert "each optimizer step applies the gradients of the same losses as the program " \
+        "meant, with the same values" in out.stdout
+    assert "-        gate.mul_(0.5)\n+        gate = gate.mul(0.5)" in out.stdout

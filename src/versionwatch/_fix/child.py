@@ -966,6 +966,28 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
+def _run_checkpoints_plainly() -> None:
+    """``torch.utils.checkpoint.checkpoint(fn, *args)`` calls ``fn(*args)``, for this process.
+
+    The same math and the same random numbers (checkpoint's forward draws them as
+    a plain call does, and its recomputation puts the generator back), with
+    every tensor saved as a plain forward saves it.
+    """
+    try:
+        import torch.utils.checkpoint as ckpt
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return
+    own = ("use_reentrant", "context_fn", "determinism_check", "debug", "early_stop",
+           "preserve_rng_state")
+
+    def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+        for name in own:
+            kwargs.pop(name, None)
+        return function(*args, **kwargs)
+
+    ckpt.checkpoint = checkpoint
+
+
 def _run_main(argv0: str, scratch: dict[str, str]) -> None:
     filename = os.path.join(os.getcwd(), argv0)
     original = MIRROR.original(filename)
@@ -1040,6 +1062,11 @@ def main(argv: Sequence[str]) -> int:
     context: Any = contextlib.nullcontext()
     if spec.get("allow_mutation"):
         context = torch.autograd.graph.allow_mutation_on_saved_tensors()
+    if spec.get("allow_mutation") or spec.get("on_hazard") == "repair":
+        # The program as its author meant it: checkpointing only saves memory, so
+        # its function runs as itself. Under checkpoint the recomputation would
+        # repeat a write to what the function saved, which no repair can undo.
+        _run_checkpoints_plainly()
     try:
         try:
             with context:
