@@ -644,3 +644,40 @@ def test_fix_verifies_the_out_of_place_write_against_the_program_as_meant(
     assert "each optimizer step applies the gradients of the same losses as the program " \
         "meant, with the same values" in out.stdout
     assert "-        gate.mul_(0.5)\n+        gate = gate.mul(0.5)" in out.stdout
+
+
+@pytest.mark.skipif(not hasattr(ckpt, "create_selective_checkpoint_contexts"),
+                    reason="no selective checkpointing in this torch")
+def test_records_make_no_cycle_that_keeps_the_cache_alive() -> None:
+    """PyTorch's own test_storage_lifetime, under strict mode: with the garbage
+    collector off, selective checkpointing's cached output dies with its graph.
+    (A frame's records and its parameter records once held each other.)"""
+    import gc
+    import weakref
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    found: list[weakref.ref[torch.Tensor]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out = x.cos().exp()
+        mode = _get_current_dispatch_mode()
+        if isinstance(mode, ckpt._CachingTorchDispatchMode):
+            found.append(weakref.ref(mode.storage[torch.ops.aten.exp.default][0].val))
+        return out.sin()
+
+    def must_save(ctx: object, op: object, *args: object, **kwargs: object) -> object:
+        return ckpt.CheckpointPolicy.MUST_SAVE
+
+    lin = nn.Linear(3, 3)
+    with versionwatch.watch(lin, strict=True):
+        gc.disable()
+        try:
+            x = torch.randn(3, requires_grad=True)
+            out = ckpt.checkpoint(fn, x, use_reentrant=False, context_fn=functools.partial(
+                ckpt.create_selective_checkpoint_contexts, must_save))
+            assert found and found[0]() is not None
+            del out
+            assert found[0]() is None
+        finally:
+            gc.enable()

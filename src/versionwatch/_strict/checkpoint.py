@@ -124,7 +124,9 @@ class CheckpointRecord:
         self.span = _span(t)  # the bytes it covers: a write elsewhere in the storage misses it
         self.version = t._version
         self.index = index  # its place among the frame's saves (the holder's)
-        self.info = info
+        # Weakly: the frame's parameter records are held by the frame's info, and
+        # a cycle would keep selective checkpointing's cache alive until a gc.
+        self.info = weakref.ref(info)
         self.inside = inside  # made inside fn: the recomputation makes it afresh
         self.view = base is not None
         self.output = False
@@ -392,7 +394,8 @@ def _on_write(label: str, targets: list[torch.Tensor], silent: bool) -> None:
                        user_site())
     pending: list[tuple[CheckpointRecord, Modification, torch.Tensor]] = []
     for rec in hits:
-        frame = rec.info.frame()
+        info = rec.info()
+        frame = info.frame() if info is not None else None
         if frame is None:
             continue
         running = not getattr(frame, "forward_completed", True)
@@ -475,10 +478,10 @@ def hazard_for(rec: CheckpointRecord, node: str, slot: str
     Also the tensor a report may name (the root, for one that is not made
     inside the function: a parameter).
     """
-    info = rec.info
-    frame = info.frame()
+    info = rec.info()
+    frame = info.frame() if info is not None else None
     root = rec.root()
-    if frame is None:
+    if info is None or frame is None:
         return None, None
     total = len(frame.weak_holders)
     early = bool(getattr(frame, "early_stop", True))
