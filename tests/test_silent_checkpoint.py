@@ -681,3 +681,28 @@ def test_records_make_no_cycle_that_keeps_the_cache_alive() -> None:
             assert found[0]() is None
         finally:
             gc.enable()
+
+
+def test_records_do_not_pile_up_over_steps() -> None:
+    """Memory flat over many steps: after each backward no checkpoint record is left,
+    with the garbage collector off (no cycle needs it)."""
+    import gc
+
+    from versionwatch._runtime import installed
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with versionwatch.watch(model, opt, strict=True):
+        gc.disable()
+        try:
+            for _ in range(300):
+                x = torch.randn(2, 4, requires_grad=True)
+                loss = ckpt.checkpoint(model, x, use_reentrant=False).pow(2).mean()
+                assert installed().get("checkpoint records", 0) > 0  # the graph's, now
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                assert installed().get("checkpoint records", 0) == 0
+        finally:
+            gc.enable()
