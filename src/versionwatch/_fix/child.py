@@ -50,7 +50,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType, ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
@@ -980,7 +980,7 @@ def _run_checkpoints_plainly() -> None:
     own = ("use_reentrant", "context_fn", "determinism_check", "debug", "early_stop",
            "preserve_rng_state")
 
-    def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    def checkpoint(function: Callable[..., object], *args: object, **kwargs: object) -> object:
         for name in own:
             kwargs.pop(name, None)
         return function(*args, **kwargs)

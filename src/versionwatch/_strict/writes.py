@@ -342,7 +342,7 @@ def _wrap_out(attr: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _preserve_class() -> Any:
+def _preserve_class() -> type | None:
     """``torch.autograd._unsafe_preserve_version_counter``, where this torch has it."""
     cls = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
     return cls if isinstance(cls, type) and "__enter__" in vars(cls) else None
@@ -488,7 +488,7 @@ def changes() -> list[Change]:
     changes.append(Patch(tensor, "data", _data_getter()))
     preserve = _preserve_class()
     if preserve is not None:
-        changes.append(Patch(preserve, "__enter__", _wrap_preserve(preserve.__enter__)))
+        changes.append(Patch(preserve, "__enter__", _wrap_preserve(vars(preserve)["__enter__"])))
     changes.append(Patch(tensor, "detach_", _wrap_detach(tensor.detach_)))
     saved: Any = torch._C._autograd.SavedTensor
     changes.append(Patch(saved, "register_hooks", _wrap_register_hooks(saved.register_hooks)))
