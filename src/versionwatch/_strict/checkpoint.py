@@ -53,7 +53,7 @@ import torch
 from versionwatch._compat import CHECKPOINT_GENERATOR_CODE, checkpoint_frame, sequence_nr
 from versionwatch._report import BACKWARD_SUFFIX, SILENT_TAIL, ForwardRef, Hazard, Modification
 from versionwatch._runtime import add_probe
-from versionwatch._sites import _is_library, is_library, site_at, user_site
+from versionwatch._sites import site_at, user_frame_from, user_site
 from versionwatch._strict import hookstack as _hookstack
 from versionwatch._strict import records
 from versionwatch._strict.records import module_named, storage_key
@@ -241,7 +241,7 @@ def _record(frame: Any, info: _Frame, holder: Any, t: torch.Tensor) -> None:
     stack = local.modules
     rec.module = stack[-1][0] if stack else None
     rec.forward = local.forward
-    user = _user_frame(sys._getframe(2))
+    user = user_frame_from(sys._getframe(2))
     if user is not None:
         rec.code, rec.line = user.f_code, user.f_lineno
     HOLDERS[holder] = rec
@@ -327,20 +327,6 @@ def _param_names() -> dict[int, str]:
     if root is None:
         return {}
     return {id(p): f"{root_name}.{n}" for n, p in root.named_parameters()}
-
-
-def _user_frame(frame: FrameType | None) -> FrameType | None:
-    """The first frame up from ``frame`` outside torch and versionwatch: the op's line."""
-    library = _is_library
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        hit = library.get(filename)
-        if hit is None:
-            hit = is_library(filename)
-        if not hit:
-            return frame
-        frame = frame.f_back
-    return None
 
 
 def _purge() -> None:
