@@ -371,3 +371,48 @@ def test_the_probe_says_what_this_torch_does():
         raised = False
         assert x.grad.item() == 4.0, "b's node ran first; a's read the doubled gradient"
     assert engine_checks_gradients() is raised
+
+
+@pytest.mark.parametrize("where", ["every parameter", "every layer's output"])
+def test_in_place_hooks_whose_gradient_one_node_reads_are_not_reported(where: str) -> None:
+    """Each hook's own node reads what its hook made: as meant. Once an earlier write
+    in the same backward had set the watch up, each later hook's own node was
+    reported as "another node" (gradient clipping hooks on every parameter, a
+    gradient-accumulation ``g.div_(4)``)."""
+
+    def run(in_place: bool, watch: bool) -> tuple[list[torch.Tensor], list[object]]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 1))
+
+        def hook(g: torch.Tensor) -> torch.Tensor | None:
+            return g.clamp_(-0.01, 0.01) if in_place else g.clamp(-0.01, 0.01)
+
+        reports: list[object] = []
+
+        def step() -> None:
+            if where == "every parameter":
+                for p in m.parameters():
+                    p.register_hook(hook)
+                m(torch.randn(3, 4)).pow(2).sum().backward()
+                return
+            h = torch.randn(3, 4)
+            for layer in m:
+                h = layer(h)
+                if isinstance(layer, nn.Linear):
+                    h.register_hook(hook)
+            h.pow(2).sum().backward()
+
+        if watch:
+            with versionwatch.watch(m, strict=True, on_hazard=reports.append):
+                step()
+        else:
+            step()
+        return [p.grad.clone() for p in m.parameters() if p.grad is not None], reports
+
+    reference, _ = run(False, False)
+    plain, _ = run(True, False)
+    watched, reports = run(True, True)
+    assert all(torch.equal(a, b) for a, b in zip(reference, plain, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
+    assert reports == []

@@ -271,6 +271,8 @@ def _reader(task: _Task, consumer: Any, owner: StrictOwner) -> Any:
                 # The very tensor written (an id is reused only once it is dead).
                 if w.ref() is not g or w.reported or g._version == w.before:
                     continue
+                if _same_node(consumer, w.receiver):
+                    continue  # the hook's own node reads what its hook made: as meant
                 if id(consumer) in w.via:
                     _follow(task, w, consumer)  # received through the hook's node: as meant
                     continue
@@ -281,6 +283,19 @@ def _reader(task: _Task, consumer: Any, owner: StrictOwner) -> Any:
         return None
 
     return pre_hook
+
+
+def _same_node(a: Node, b: Node) -> bool:
+    """The same autograd node, though torch may hand out two Python objects for it.
+
+    AccumulateGrad nodes all share one sequence number: theirs is their leaf.
+    """
+    if a is b:
+        return True
+    va, vb = getattr(a, "variable", None), getattr(b, "variable", None)
+    if va is not None or vb is not None:
+        return va is not None and va is vb
+    return bool(a.name() == b.name() and a._sequence_nr() == b._sequence_nr())
 
 
 def _producers(task: _Task, receiver: Node, consumer: Node) -> list[str]:
