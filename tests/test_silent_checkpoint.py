@@ -706,3 +706,88 @@ def test_records_do_not_pile_up_over_steps() -> None:
                 assert installed().get("checkpoint records", 0) == 0
         finally:
             gc.enable()
+
+
+def _reports_and_grads(model: nn.Module, step: Callable[[], None], watch: bool
+                       ) -> tuple[list[object], list[torch.Tensor]]:
+    reports: list[object] = []
+    if watch:
+        with versionwatch.watch(model, strict=True, on_hazard=reports.append):
+            step()
+    else:
+        step()
+    return reports, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_a_write_to_other_rows_of_a_buffer_is_no_hazard() -> None:
+    """An RNN that writes each state into a preallocated buffer (``hs[t + 1] = ...``)
+    while the step before saved ``hs[t]``: the write covers other bytes of the same
+    storage. Only the saved view's own bytes are compared, not the whole buffer's."""
+
+    def run(checkpointed: bool, watch: bool) -> tuple[list[object], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        cell = nn.Linear(4, 4)
+        x = torch.randn(5, 2, 4)
+
+        def unroll(x: torch.Tensor) -> torch.Tensor:
+            hs = torch.zeros(6, 2, 4)
+            for t in range(5):
+                hs[t + 1] = torch.tanh(cell(hs[t]) + x[t])
+            return hs
+
+        def unroll_out_of_place(x: torch.Tensor) -> torch.Tensor:
+            hs = [torch.zeros(2, 4)]
+            for t in range(5):
+                hs.append(torch.tanh(cell(hs[t]) + x[t]))
+            return torch.stack(hs)
+
+        def step() -> None:
+            # Plainly the in-place unroll raises (hs[t] is saved, hs is written): the
+            # reference is the out-of-place one.
+            hs = ckpt.checkpoint(unroll, x, use_reentrant=False) if checkpointed \
+                else unroll_out_of_place(x)
+            hs.pow(2).sum().backward()
+
+        return _reports_and_grads(cell, step, watch)
+
+    _, reference = run(False, False)
+    _, plain = run(True, False)
+    reports, watched = run(True, True)
+    assert all(torch.equal(a, b) for a, b in zip(reference, plain, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
+    assert reports == []
+
+
+def test_a_write_to_rows_an_embedding_did_not_look_up_is_no_hazard() -> None:
+    """``nn.Embedding(max_norm=...)`` renormalizes, in place, the rows the second
+    micro-batch looks up; the first one's backward reads only its own rows. What an
+    embedding (an index, a slice) made is not counted as made from all the weight."""
+
+    def run(checkpointed: bool, watch: bool) -> tuple[list[object], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"emb": nn.Embedding(20, 4, max_norm=1.0), "lin": nn.Linear(4, 4)})
+
+        def block(idx: torch.Tensor) -> torch.Tensor:
+            e = model["emb"](idx)
+            return torch.tanh(model["lin"](e)) * e
+
+        def forward(idx: torch.Tensor) -> torch.Tensor:
+            return ckpt.checkpoint(block, idx, use_reentrant=False) if checkpointed \
+                else block(idx)
+
+        def step() -> None:
+            first = forward(torch.tensor([0, 1, 2])).pow(2).sum()
+            second = forward(torch.tensor([3, 4, 5])).pow(2).sum()
+            first.backward()
+            second.backward()
+
+        with torch.no_grad():
+            model["emb"].weight.mul_(3)  # every row over max_norm: each lookup renormalizes
+        return _reports_and_grads(model, step, watch)
+
+    _, reference = run(False, False)
+    _, plain = run(True, False)
+    reports, watched = run(True, True)
+    assert all(torch.equal(a, b) for a, b in zip(reference, plain, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
+    assert reports == []

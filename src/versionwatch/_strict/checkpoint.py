@@ -96,6 +96,7 @@ class CheckpointRecord:
         "device",
         "dtype",
         "forward",
+        "geometry",
         "index",
         "info",
         "inside",
@@ -129,6 +130,10 @@ class CheckpointRecord:
         self.info = weakref.ref(info)
         self.inside = inside  # made inside fn: the recomputation makes it afresh
         self.view = base is not None
+        # A view's place in its base: its own bytes are compared, not the base's (a
+        # write to another row of the same buffer leaves them as they were).
+        self.geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset()) \
+            if base is not None and not t.is_nested else None
         self.output = False
         self.requires_grad = t.requires_grad
         self.shape = None if t.is_nested else tuple(t.shape)
@@ -292,15 +297,30 @@ def _deps(info: _Frame, t: torch.Tensor, index: int) -> int:
                       and e._sequence_nr() not in masks]
             continue
         m = 0
+        partial = node.name() in _PARTIAL_READS
         for e in edges:
             var = getattr(e, "variable", None)
             if isinstance(var, torch.Tensor):
-                m |= 1 << _param_bit(info, var, index)
+                if not partial:
+                    m |= 1 << _param_bit(info, var, index)
             else:
                 m |= masks.get(e._sequence_nr(), 0)
         masks[seq] = m
     mask = masks.get(fn._sequence_nr(), 0)
     return mask
+
+
+# Ops that read part of a parameter (an embedding's looked-up rows, an index, a
+# slice): a write to the parameter may leave what they read as it was (an
+# embedding's max_norm renormalizes the rows a batch did not look up), so what
+# is made from them is not counted as made from the parameter. A miss, where
+# the write did change those rows; never a false report.
+_PARTIAL_READS = frozenset({
+    "EmbeddingBackward0", "EmbeddingBagBackward0", "IndexBackward0", "IndexSelectBackward0",
+    "SelectBackward0", "SliceBackward0", "GatherBackward0", "TakeBackward0",
+    "MaskedSelectBackward0", "AsStridedBackward0", "AsStridedBackward1", "NarrowBackward0",
+    "SplitBackward0", "SplitWithSizesBackward0", "UnbindBackward0", "DiagonalBackward0",
+})
 
 
 def _param_bit(info: _Frame, var: torch.Tensor, index: int) -> int:
@@ -389,14 +409,14 @@ def _on_write(label: str, targets: list[torch.Tensor], silent: bool) -> None:
         if running and (root := rec.root()) is not None:
             # Repeated by the recomputation: it matters only if it changes the bytes
             # (relu_ on a sigmoid's output leaves them): compared after the op.
-            before = _bytes(root)
+            before = _saved_bytes(rec, root)
             if before is not None:
                 pending.append((rec, mod, before.clone()))
         if not rec.inside and rec.before is None and not running:
             root = rec.root()
             if root is not None:
                 # The bytes the recomputation would have read: a write undone is none.
-                before = _bytes(root)
+                before = _saved_bytes(rec, root)
                 rec.before = before.clone() if before is not None else None
     if pending:
         _PENDING.changes = pending
@@ -420,11 +440,23 @@ def after_write(changes: list[tuple[CheckpointRecord, Modification, torch.Tensor
     try:
         for rec, mod, before in changes:
             root = rec.root()
-            now = _bytes(root) if root is not None else None
+            now = _saved_bytes(rec, root) if root is not None else None
             if now is not None and torch.equal(before, now):
                 rec.writes = [w for w in rec.writes if w[0] is not mod]
     except Exception:
         pass
+
+
+def _saved_bytes(rec: CheckpointRecord, root: torch.Tensor) -> torch.Tensor | None:
+    """The bytes of what ``rec``'s slot saved: its view of ``root``, else ``root``'s."""
+    t = root.detach()
+    if rec.geometry is not None:
+        shape, stride, offset = rec.geometry
+        try:
+            t = t.as_strided(shape, stride, offset)
+        except RuntimeError:  # the base was resized since: compare it whole
+            pass
+    return _bytes(t)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor | None:
@@ -553,7 +585,8 @@ def _restored(rec: CheckpointRecord, root: torch.Tensor) -> bool:
     if before is None:
         return False
     try:
-        return bool(torch.equal(before, root.detach().reshape(-1).view(torch.uint8)))
+        now = _saved_bytes(rec, root)
+        return now is not None and bool(torch.equal(before, now))
     except (RuntimeError, TypeError):
         return False
 
