@@ -214,9 +214,8 @@ def _hooked_module(owner: StrictOwner) -> str | None:
             if not isinstance(module, torch.nn.Module):
                 return None
             kind = type(module).__name__
-            names: dict[int, str] = getattr(owner, "names", None) or {}
             for pname, p in module.named_parameters():
-                full = names.get(id(p))
+                full = _name_of(owner, p)
                 if full is not None and full.endswith("." + pname):
                     return f"{full[:-len(pname) - 1]} ({kind})"
             return f"a {kind}"
@@ -313,12 +312,27 @@ def _producers(task: _Task, receiver: Node, consumer: Node) -> list[str]:
     return both or ([str(others[0].name())] if len(others) == 1 else [])
 
 
+def _name_of(owner: StrictOwner, t: torch.Tensor) -> str | None:
+    """The watcher's name for ``t``, if it watches ``t`` itself.
+
+    By the watcher's ledger, which holds each tensor weakly beside its name: an
+    ``id()`` alone may be a dead tensor's, reused (a module watched as a
+    temporary is gone, and its parameters' ids are a new model's).
+    """
+    ledger = getattr(owner, "ledger", None)
+    tracked = getattr(ledger, "tracked", None)
+    found = tracked.get(id(t)) if isinstance(tracked, dict) else None
+    if found is None or found.ref() is not t:
+        return None
+    name = found.name
+    return name if isinstance(name, str) else None
+
+
 def _consumer_name(owner: StrictOwner, consumer: Node) -> str:
     variable = getattr(consumer, "variable", None)
     if variable is None:
         return str(consumer.name())
-    names: dict[int, str] = getattr(owner, "names", None) or {}
-    name = names.get(id(variable))
+    name = _name_of(owner, variable)
     return f"AccumulateGrad of {name}" if name else "AccumulateGrad of a leaf tensor"
 
 
