@@ -257,9 +257,49 @@ class Checker:
         False if ``raw`` is no checkpoint's. Without a record (the default mode,
         or a save strict mode did not see) it is not verified, and says why.
         """
-        if not CHECKPOINT_SLOTS_SHOWN or checkpoint_frame(raw.unpack_hook) is None:
+        if not CHECKPOINT_SLOTS_SHOWN:
             return False
+        frame = checkpoint_frame(raw.unpack_hook)
+        if frame is None:
+            return False
+        self._checkpoint_inputs(i, fn, frame)
         return self._checkpoint_holder(i, fn, slot, raw.data)
+
+    def _checkpoint_inputs(self, i: int, fn: Node, frame: object) -> None:
+        """The recomputation's first step: PyTorch's version check of ``fn``'s arguments.
+
+        Newer torch keeps checkpoint's explicit tensor arguments as saved tensors
+        (``frame.saved_args``) and unpacks them, with its version check, before it
+        reruns ``fn``: a write to one since the forward fails there, at whichever
+        of the frame's slots the backward reads first. Checked once a frame.
+        """
+        seen = self.__dict__.setdefault("_frames", set())
+        if id(frame) in seen:
+            return
+        seen.add(id(frame))
+        saved_type = getattr(torch._C._autograd, "SavedTensor", None)
+        for k, arg in enumerate(getattr(frame, "saved_args", None) or ()):
+            if saved_type is None or not isinstance(arg, saved_type):
+                continue  # a plain value
+            if hooked(arg):
+                if arg.unpack_hook is _strict_unpack and isinstance(arg.data, SavedRecord):
+                    before = len(self.findings)
+                    self._strict(i, fn, f"checkpoint input {k}", arg.data)
+                    # Not counted among the saved tensors checked: older torch keeps no
+                    # such argument, and the counts stay the same on every torch.
+                    self.checked -= 1
+                    if len(self.findings) > before:
+                        self.findings[-1].hazard.notes.append(_CHECKPOINT_INPUT)
+                        return
+                continue  # behind a hook of the user's: not unpacked here
+            try:
+                arg.unpack()
+            except RuntimeError as e:
+                before = len(self.findings)
+                self._error(i, fn, f"checkpoint input {k}", None, e)
+                if len(self.findings) > before:
+                    self.findings[-1].hazard.notes.append(_CHECKPOINT_INPUT)
+                return
 
     def _checkpoint_holder(self, i: int, fn: Node, slot: str, holder: object) -> bool:
         """:meth:`_checkpointed` for the slot whose checkpoint holder is ``holder``."""
@@ -594,6 +634,10 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
+_CHECKPOINT_INPUT = ("checkpoint(use_reentrant=False) keeps its tensor arguments with "
+                     "PyTorch's version check, and unpacks them to recompute the function "
+                     "when the backward first reads one of its saved tensors (here "
+                     "the node above)")
 _RUNNING_STATS = frozenset({"running_mean", "running_var"})
 
 
