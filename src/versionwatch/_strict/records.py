@@ -102,6 +102,8 @@ class SavedRecord:
         before = self.before
         if before is None:
             return True
+        if not holds(self.tensor):
+            return False  # its memory is not there now (FSDP2 resharded it): nothing read
         try:
             return not torch.equal(before, _bytes(self.tensor))
         except (RuntimeError, TypeError):  # no plain bytes to compare (quantized)
@@ -112,7 +114,7 @@ class SavedRecord:
         if not self._silent:
             self._silent = True
             self.before: torch.Tensor | None = None
-            if self.tensor._version == self.version:
+            if self.tensor._version == self.version and holds(self.tensor):
                 try:
                     self.before = _bytes(self.tensor).clone()
                 except (RuntimeError, TypeError):
@@ -136,6 +138,22 @@ class SavedRecord:
                                 if self.code is not None else None),
                       modified_by=list(self.writes if modified_by is None else modified_by),
                       detected=detected)
+
+
+def holds(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds all its elements now.
+
+    FSDP2 frees an unsharded parameter by resizing its storage to zero, and
+    all-gathers it back (inside ``_unsafe_preserve_version_counter``) when a
+    forward or backward needs it: memory that is not there must not be read.
+    """
+    try:
+        if t.numel() == 0:
+            return False
+        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+        return t.untyped_storage().nbytes() >= (t.storage_offset() + extent) * t.element_size()
+    except (RuntimeError, NotImplementedError, TypeError):  # no plain storage
+        return False
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ from versionwatch._strict.gradients import candidates, on_gradient_write
 from versionwatch._strict.records import (
     RECORDS,
     SavedRecord,
+    holds,
     live,
     mark_of,
     on_detach,
@@ -367,7 +368,8 @@ def _wrap_preserve(enter: Callable[[Any], None]) -> Callable[[Any], None]:
             if tensors is None:
                 tensors = (getattr(self, "tensor", None),)
             on_write("_unsafe_preserve_version_counter",
-                     ([t for t in tensors if isinstance(t, torch.Tensor)],), {}, silent=True)
+                     ([t for t in tensors if isinstance(t, torch.Tensor) and holds(t)],), {},
+                     silent=True)
         return enter(self)
 
     return __enter__
