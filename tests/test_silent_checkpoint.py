@@ -818,3 +818,4 @@ def test_a_write_to_an_explicit_argument_is_predicted(strict: bool) -> None:
     assert h is not None and h.kind == "inplace" and h.slot == "checkpoint input 0"
     assert h.torch_message == str(e.value).split("\n")[0] or h.torch_message in str(e.value)
     assert any("keeps its tensor arguments" in n for n in h.notes)
+    assert h.fix.startswith("checkpoint(use_reentrant=False) keeps its "), h.fix

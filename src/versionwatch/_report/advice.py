@@ -251,6 +251,15 @@ def fix_for(h: Hazard) -> str:
         )
     if h.kind == "silent":
         return silent_fix(h)
+    if h.slot.startswith("checkpoint input"):
+        variable = h.user_variable()
+        who = f"argument `{variable}`" if variable else (
+            f"argument {h.tensor}" if h.tensor else "tensor argument")
+        return (
+            f"checkpoint(use_reentrant=False) keeps its {who} to run the function "
+            "again at the backward: make the write after that backward, or pass a "
+            "`.clone()` to checkpoint, or write out of place (`x = x + y`)"
+        )
     # A library module built with inplace=True: the fix is its own argument. Any
     # other module's write (a library's own in-place op) gets the words below.
     writer = next((m.writer for m in h.modified_by
