@@ -723,6 +723,18 @@ def _reports_and_grads(model: nn.Module, step: Callable[[], None], watch: bool
     return reports, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+def _as_meant_and_unreported(
+        run: Callable[[bool, bool], tuple[list[object], list[torch.Tensor]]]) -> None:
+    """``run(checkpointed, watch)``: checkpointed plainly as the reference computes, the
+    same watched, and no report."""
+    _, reference = run(False, False)
+    _, plain = run(True, False)
+    reports, watched = run(True, True)
+    assert all(torch.equal(a, b) for a, b in zip(reference, plain, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
+    assert reports == []
+
+
 def test_a_write_to_other_rows_of_a_buffer_is_no_hazard() -> None:
     """An RNN that writes each state into a preallocated buffer (``hs[t + 1] = ...``)
     while the step before saved ``hs[t]``: the write covers other bytes of the same
@@ -754,12 +766,7 @@ def test_a_write_to_other_rows_of_a_buffer_is_no_hazard() -> None:
 
         return _reports_and_grads(cell, step, watch)
 
-    _, reference = run(False, False)
-    _, plain = run(True, False)
-    reports, watched = run(True, True)
-    assert all(torch.equal(a, b) for a, b in zip(reference, plain, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
-    assert reports == []
+    _as_meant_and_unreported(run)
 
 
 def test_a_write_to_rows_an_embedding_did_not_look_up_is_no_hazard() -> None:
@@ -789,12 +796,7 @@ def test_a_write_to_rows_an_embedding_did_not_look_up_is_no_hazard() -> None:
             model["emb"].weight.mul_(3)  # every row over max_norm: each lookup renormalizes
         return _reports_and_grads(model, step, watch)
 
-    _, reference = run(False, False)
-    _, plain = run(True, False)
-    reports, watched = run(True, True)
-    assert all(torch.equal(a, b) for a, b in zip(reference, plain, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
-    assert reports == []
+    _as_meant_and_unreported(run)
 
 
 @pytest.mark.skipif(not hasattr(ckpt._CheckpointFrame, "save_inputs"),
