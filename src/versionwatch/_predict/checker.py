@@ -146,6 +146,8 @@ class Checker:
         # (node, slot) -> why, for what is unverifiable but not behind hooks.
         self.why: dict[tuple[str, str], str] = {}
         self.checked = 0
+        # id() of the checkpoint frames whose arguments were checked (this run only).
+        self.frames: set[int] = set()
         # id(tensor) -> sequence number after its last write that bumped no version.
         self.silent = silent
 
@@ -273,10 +275,9 @@ class Checker:
         reruns ``fn``: a write to one since the forward fails there, at whichever
         of the frame's slots the backward reads first. Checked once a frame.
         """
-        seen = self.__dict__.setdefault("_frames", set())
-        if id(frame) in seen:
+        if id(frame) in self.frames:
             return
-        seen.add(id(frame))
+        self.frames.add(id(frame))
         saved_type = getattr(torch._C._autograd, "SavedTensor", None)
         for k, arg in enumerate(getattr(frame, "saved_args", None) or ()):
             if saved_type is None or not isinstance(arg, saved_type):

@@ -56,7 +56,7 @@ from versionwatch._runtime import add_probe
 from versionwatch._sites import site_at, user_frame_from, user_site
 from versionwatch._strict import hookstack as _hookstack
 from versionwatch._strict import records
-from versionwatch._strict.records import module_named, storage_key
+from versionwatch._strict.records import extent, module_named, storage_key
 from versionwatch._strict.thread import THREAD
 
 HIDDEN_BY = "checkpoint(use_reentrant=False)"
@@ -166,8 +166,7 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
         if t.numel() == 0:
             return (0, 0)
         start = t.data_ptr()
-        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
-        return start, start + extent * t.element_size()
+        return start, start + extent(t) * t.element_size()
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, meta
         return None
 

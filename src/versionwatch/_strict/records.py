@@ -150,10 +150,14 @@ def holds(t: torch.Tensor) -> bool:
     try:
         if t.numel() == 0:
             return False
-        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
-        return t.untyped_storage().nbytes() >= (t.storage_offset() + extent) * t.element_size()
+        return t.untyped_storage().nbytes() >= (t.storage_offset() + extent(t)) * t.element_size()
     except (RuntimeError, NotImplementedError, TypeError):  # no plain storage
         return False
+
+
+def extent(t: torch.Tensor) -> int:
+    """How many elements of its storage a non-empty ``t`` spans, from its first."""
+    return 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
