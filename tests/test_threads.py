@@ -581,6 +581,7 @@ def test_a_flight_is_waited_for_unless_the_engine_called_program_code(where: str
     engine called may wait for anything: a prediction does not wait for that one."""
     import os
 
+    from versionwatch import _sites
     from versionwatch._watch import inflight as _inflight
 
     engine_file = os.path.join(os.path.dirname(torch.autograd.__file__), "graph.py")
@@ -604,13 +605,14 @@ def test_a_flight_is_waited_for_unless_the_engine_called_program_code(where: str
     t.start()
     try:
         assert entered.wait(JOIN_S)
-        frame = None
+        stack = None
         for _ in range(1000):  # until the thread is inside the engine
-            frame = sys._current_frames()[t.ident]  # type: ignore[index]
-            if frame.f_code.co_name in ("_engine_run_backward", "hook"):
+            stack = _sites.thread_stacks()[t.ident]  # type: ignore[index]
+            if stack.frames[0].name in ("_engine_run_backward", "hook"):
                 break
             threading.Event().wait(0.001)
-        runs_program = _inflight._runs_program_code(frame, stop_at_backward=True)
+        assert stack is not None
+        runs_program = _inflight._runs_program_code(stack, stop_at_backward=True)
         assert runs_program == where.startswith("hook")
     finally:
         held.release()

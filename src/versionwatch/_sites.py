@@ -1,13 +1,40 @@
-"""Finding the user's line: the first frame outside torch and the training libraries."""
+"""Finding the user's line (the first frame outside torch and the training libraries),
+and reading other threads' stacks without walking their frames.
+
+Other threads' stacks (:func:`thread_stacks`):
+Why not ``sys._current_frames()`` and ``f_back``: on CPython 3.11 (and, as
+reported, later) walking ``f_back`` from another running thread's frame object
+can read a frame that thread has since popped (python/cpython#111363; sentry's
+3.11 crashes in ``PyFrame_GetBack``). A Python loop over ``f_back`` lets the
+other thread run between two steps of the walk, and versionwatch's
+multi-threaded tests crashed there with SIGSEGV twice in 2,400 rounds.
+``faulthandler.dump_traceback`` walks every thread's frames in C without
+letting go of the GIL, so no thread moves while it reads; it writes to a file
+descriptor, here an anonymous one (``memfd``; an unlinked temporary file
+elsewhere), which leaves nothing on disk.
+
+What it costs: a dump per call, of every thread. Callers ask only on the rare
+path where one thread's backward waits for another's.
+
+What it cannot see: faulthandler prints at most 100 frames a thread (the
+innermost) and 100 threads; a stack cut short says so (``Stack.cut``).
+Non-ASCII characters in names are written as faulthandler escapes them, and
+:func:`as_dumped` escapes a path the same way before it is compared.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import linecache
 import os
+import re
 import sys
 import sysconfig
+import tempfile
+import threading
 from types import FrameType
+from typing import NamedTuple
 
 import torch
 
@@ -161,3 +188,115 @@ def site_at(filename: str, line: int) -> Site:
 
 def _short(filename: str) -> str:
     return relative_path(filename)
+
+
+class StackFrame(NamedTuple):
+    """One frame as faulthandler prints it: its file and its function's name."""
+
+    file: str
+    name: str
+
+
+class Stack(NamedTuple):
+    """A thread's frames, innermost first; ``cut`` when faulthandler stopped early."""
+
+    frames: tuple[StackFrame, ...]
+    cut: bool
+
+
+_STACKS_LOCK = threading.Lock()
+_FD: list[int] = []  # [pid, fd] of the process that opened it; [] until first use
+_HEADER = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-fA-F]+)\b")
+_FRAME = re.compile(r'^  File "(.*)", line \S+ in (.*)$')
+# faulthandler's MAX_STRING_LENGTH: longer names are cut and end with "...".
+_MAX_STRING = 500
+
+
+def as_dumped(text: str) -> str:
+    """``text`` as faulthandler writes it: printable ASCII kept, the rest escaped.
+
+    >>> as_dumped("/home/zoë/torch/")
+    '/home/zo\\\\xeb/torch/'
+    """
+    out = []
+    for ch in text[:_MAX_STRING]:
+        code = ord(ch)
+        if 32 <= code <= 126:
+            out.append(ch)
+        elif code <= 0xFF:
+            out.append(f"\\x{code:02x}")
+        elif code <= 0xFFFF:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    return "".join(out)
+
+
+def _descriptor() -> int:
+    """This process's own descriptor (a forked child must not share its parent's offset)."""
+    pid = os.getpid()
+    if _FD and _FD[0] == pid:
+        return _FD[1]
+    if _FD:
+        try:
+            os.close(_FD[1])  # the parent's, inherited by fork: the parent keeps its own
+        except OSError:
+            pass
+        _FD.clear()
+    memfd = getattr(os, "memfd_create", None)
+    fd = -1
+    if memfd is not None:
+        try:
+            fd = memfd("versionwatch-stacks")
+        except OSError:
+            fd = -1
+    if fd < 0:
+        handle = tempfile.TemporaryFile()  # unlinked at once where the OS allows
+        fd = os.dup(handle.fileno())
+        os.set_inheritable(fd, False)
+        handle.close()
+    _FD[:] = [pid, fd]
+    return fd
+
+
+def thread_stacks() -> dict[int, Stack]:
+    """Every thread's stack by ``threading.get_ident()``, read at one instant.
+
+    >>> me = threading.get_ident()
+    >>> thread_stacks()[me].frames[0].name
+    'thread_stacks'
+    """
+    with _STACKS_LOCK:
+        fd = _descriptor()
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        faulthandler.dump_traceback(fd, all_threads=True)
+        size = os.lseek(fd, 0, os.SEEK_CUR)
+        data = os.pread(fd, size, 0)
+    return parse_stacks(data.decode("ascii", "replace"))
+
+
+def parse_stacks(text: str) -> dict[int, Stack]:
+    """faulthandler's all-threads dump, by thread ident."""
+    out: dict[int, Stack] = {}
+    ident: int | None = None
+    frames: list[StackFrame] = []
+    cut = False
+
+    def close() -> None:
+        if ident is not None:
+            out[ident] = Stack(tuple(frames), cut)
+
+    for line in text.splitlines():
+        head = _HEADER.match(line)
+        if head is not None:
+            close()
+            ident, frames, cut = int(head.group(1), 16), [], False
+            continue
+        found = _FRAME.match(line)
+        if found is not None:
+            frames.append(StackFrame(found.group(1), found.group(2)))
+        elif line.strip() == "...":
+            cut = True
+    close()
+    return out

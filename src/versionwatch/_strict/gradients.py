@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 from torch.autograd.graph import Node
 
+from versionwatch import _sites
 from versionwatch._report import Hazard, Modification, Site
 from versionwatch._runtime import add_probe
 from versionwatch._strict.thread import THREAD
@@ -130,9 +131,20 @@ def _graph_of(node: Node) -> list[Node] | None:
         nodes = _walk_with(roots, node)
         if nodes is not None:
             return nodes
-    # A device thread's backward: the caller waits in _engine_run_backward elsewhere.
-    for frame in sys._current_frames().values():
-        roots = _roots_from(frame)
+    # A device thread's backward: its caller waits inside _engine_run_backward,
+    # the top of that thread's stack. Only such a frame is read, never walked
+    # down by f_back: another running thread's f_back can crash CPython
+    # (versionwatch._sites).
+    waiting = [ident for ident, stack in _sites.thread_stacks().items()
+               if stack.frames and stack.frames[0].name == _ENGINE_ENTRY]
+    if not waiting:
+        return None
+    tops = sys._current_frames()
+    for ident in waiting:
+        top = tops.get(ident)
+        if top is None or top.f_code.co_name != _ENGINE_ENTRY:
+            continue  # it has left the engine since
+        roots = _roots_from(top)
         if roots:
             nodes = _walk_with(roots, node)
             if nodes is not None:

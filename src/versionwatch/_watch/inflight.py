@@ -46,15 +46,14 @@ thread's prediction until it lands.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections import deque
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any
 
 import torch
 
+from versionwatch import _sites
 from versionwatch._package import PACKAGE_DIR
 from versionwatch._report import Report, Site
 
@@ -63,8 +62,9 @@ from versionwatch._report import Report, Site
 # fixed time.
 RECHECK_S = 0.01
 # Frames of these folders are not the program's: PyTorch's and versionwatch's.
-_OWN_DIR = PACKAGE_DIR
-_TORCH_DIR = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "")
+# As faulthandler prints paths (see versionwatch._sites.thread_stacks).
+_OWN_DIR = _sites.as_dumped(PACKAGE_DIR)
+_TORCH_DIR = _sites.as_dumped(os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), ""))
 _LIBRARY_DIRS = (_TORCH_DIR, _OWN_DIR)
 # PyTorch's Python frame that calls into the C++ engine (torch/autograd/graph.py,
 # every supported release): what runs above it on that thread, the engine called.
@@ -211,47 +211,49 @@ def _may_wait_for(flights: list[Flight]) -> bool:
     No, if its thread runs the program's own code inside its backward (a hook
     that may be waiting for the waiter); no, too, if a thread that Python did
     not start (autograd's device threads, which run the hooks of CUDA nodes)
-    runs the program's code, since which backward it serves is unknown.
+    runs the program's code, since which backward it serves is unknown. The
+    stacks are read in one step (:func:`versionwatch._sites.thread_stacks`):
+    walking another running thread's ``f_back`` can crash CPython.
     """
-    frames = sys._current_frames()
+    stacks = _sites.thread_stacks()
     # A thread that Python did not start shows as a dummy once it asks for
     # current_thread(), if ever.
     dummy = getattr(threading, "_DummyThread", ())
     started = {t.ident for t in threading.enumerate() if not isinstance(t, dummy)}
-    for ident, frame in frames.items():
-        if ident not in started and _runs_program_code(frame, stop_at_backward=False):
+    for ident, stack in stacks.items():
+        if ident not in started and _runs_program_code(stack, stop_at_backward=False):
             return False
     for f in flights:
-        top = frames.get(f.ident)
-        if top is not None and _runs_program_code(top, stop_at_backward=True):
+        flying = stacks.get(f.ident)
+        if flying is not None and _runs_program_code(flying, stop_at_backward=True):
             return False
     return True
 
 
-def _runs_program_code(frame: FrameType | None, stop_at_backward: bool) -> bool:
-    """Whether the thread at ``frame`` runs the program's own code (neither PyTorch's
-    nor versionwatch's) that may wait for anything.
+def _runs_program_code(stack: _sites.Stack, stop_at_backward: bool) -> bool:
+    """Whether the thread with ``stack`` runs the program's own code (neither
+    PyTorch's nor versionwatch's) that may wait for anything.
 
     For a flight's thread (``stop_at_backward``), only code that the engine
     called counts (a hook, a custom Function's backward): a frame of the
     program above PyTorch's entry into the engine. Code below that entry, on
     the way in (a profiler's or a test harness's wrapper of ``backward`` or of
     the engine itself), waits for the engine, which lands on its own; so does
-    the program below its backward call.
+    the program below its backward call. A stack cut short before that entry
+    (over 100 frames deep) with the program's code in what was read counts as
+    the program's: not waiting can only race, waiting could hang.
     """
     program = False  # a frame of the program seen above the frames walked so far
-    while frame is not None:
-        code = frame.f_code
-        name = code.co_filename
-        if stop_at_backward and code.co_name == _ENGINE_ENTRY and name.startswith(_TORCH_DIR):
+    for frame in stack.frames:
+        if (stop_at_backward and frame.name == _ENGINE_ENTRY
+                and frame.file.startswith(_TORCH_DIR)):
             if program:
                 return True  # the engine called it
-        elif not name.startswith(_LIBRARY_DIRS):
+        elif not frame.file.startswith(_LIBRARY_DIRS):
             if not stop_at_backward:
                 return True
             program = True
-        frame = frame.f_back
-    return False
+    return program and stack.cut
 
 
 def _fingerprint(nodes: Sequence[Any]) -> frozenset[tuple[str, int]]:
