@@ -21,6 +21,7 @@ from versionwatch._report.errors import (
 )
 from versionwatch._report.model import (
     BACKWARD_SUFFIX,
+    CELL_LOOKUPS,
     UNSURE_CHECKPOINT,
     UNSURE_CLEARS,
     UNSURE_COPY_SLICES,
@@ -38,6 +39,8 @@ from versionwatch._report.model import (
     Report,
     Site,
     Writer,
+    cell_of,
+    register_cell,
     relative_path,
     size,
 )
@@ -51,6 +54,7 @@ from versionwatch._report.text import render_report, unverified_summary
 
 __all__ = [
     "BACKWARD_SUFFIX",
+    "CELL_LOOKUPS",
     "SCHEMA",
     "SILENT_TAIL",
     "UNSURE_CHECKPOINT",
@@ -74,10 +78,12 @@ __all__ = [
     "Site",
     "Writer",
     "add_note",
+    "cell_of",
     "fingerprint_hazard",
     "fix_for",
     "gradient_consumer",
     "op_name",
+    "register_cell",
     "relative_path",
     "render_report",
     "report_dict",

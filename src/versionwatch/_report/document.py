@@ -23,7 +23,13 @@ __all__ = ["SCHEMA", "hazard_dict", "repair_dict", "report_dict"]
 
 
 def _site(site: Site | None) -> dict[str, object] | None:
-    return None if site is None else {"file": site.file, "line": site.line, "code": site.code}
+    if site is None:
+        return None
+    d: dict[str, object] = {"file": site.file, "line": site.line, "code": site.code}
+    cell = site.cell
+    if cell is not None:
+        d["cell"] = cell
+    return d
 
 
 def _modification(m: Modification) -> dict[str, object]:

@@ -66,6 +66,30 @@ def relative_path(filename: str) -> str:
     return filename
 
 
+# Notebook cells: the file name a cell's code was compiled under -> the cell's number
+# as IPython shows it (``In[5]``). Filled by whoever compiles cells: the IPython
+# extension (from IPython's own compiler, through CELL_LOOKUPS, asked lazily) and
+# ``versionwatch run nb.ipynb`` (register_cell). Reports then say ``Cell In[5], line 3``.
+CELLS: dict[str, int] = {}
+CELL_LOOKUPS: list[Callable[[str], int | None]] = []
+
+
+def register_cell(filename: str, number: int) -> None:
+    """Code compiled under ``filename`` is notebook cell ``In[number]``."""
+    CELLS[filename] = number
+
+
+def cell_of(filename: str) -> int | None:
+    """The notebook cell whose code was compiled under ``filename``, if any."""
+    number = CELLS.get(filename)
+    if number is None:
+        for lookup in CELL_LOOKUPS:
+            number = lookup(filename)
+            if number is not None:
+                break
+    return number
+
+
 class _ShownPath:
     """``Site.file``: stores the path as given, reads it relative to the working directory.
 
@@ -116,7 +140,15 @@ class Site:
         # Equal sites have equal lines and code, whatever the working directory.
         return hash((self.line, self.code))
 
+    @property
+    def cell(self) -> int | None:
+        """The notebook cell this line is in (``5`` for ``In[5]``), else ``None``."""
+        return cell_of(self.__dict__["_path"])
+
     def __str__(self) -> str:
+        cell = self.cell
+        if cell is not None:
+            return f"Cell In[{cell}], line {self.line}"
         return f"{self.file}:{self.line}"
 
 
