@@ -157,7 +157,7 @@ def _debug_mode() -> Any:
 
 def _make_dot() -> Any:
     try:
-        from torchviz import make_dot
+        from torchviz import make_dot  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return None
     return make_dot
@@ -181,8 +181,10 @@ def tools() -> list[Tool]:
             made[:] = [debug_mode(**kwargs)]
             return made[0]
 
-        out.append(Tool(key, label, around=around,
-                        printed=lambda made=made: str(made[0].debug_string())))
+        def printed(made: list[Any] = made) -> str:
+            return str(made[0].debug_string())
+
+        out.append(Tool(key, label, around=around, printed=printed))
     make_dot = _make_dot()
     for key, label, kwargs in (("torchviz", "torchviz make_dot(loss2, params)", {}),
                                ("torchviz_saved", "torchviz make_dot(..., show_saved=True)",
@@ -198,8 +200,10 @@ def tools() -> list[Tool]:
             # the user renders the last one (Graphviz's `dot` program: not timed here)
             graphs.append(dot.source)
 
-        out.append(Tool(key, label, look=look, printed=lambda graphs=graphs: graphs[-1] if graphs else "",
-                        reset=graphs.clear))
+        def last(graphs: list[str] = graphs) -> str:
+            return graphs[-1] if graphs else ""
+
+        out.append(Tool(key, label, look=look, printed=last, reset=graphs.clear))
     out.append(Tool("allow_mutation", "allow_mutation_on_saved_tensors()",
                     around=lambda model, optim:
                     torch.autograd.graph.allow_mutation_on_saved_tensors()))
@@ -278,7 +282,8 @@ def run_once(train: ModuleType, tool: Tool) -> Run:
         outcome = f"{type(error).__name__}{at}"
         parts.append(f"{type(error).__name__}: {error}\n")
         parts.extend(f"{note}\n" for note in getattr(error, "__notes__", []))
-    text = "".join(parts).replace(os.path.dirname(train.__file__) + os.sep, "")
+    folder = os.path.dirname(str(train.__file__))
+    text = "".join(parts).replace(folder + os.sep, "")
     return Run(text, outcome, weights)
 
 
@@ -356,6 +361,7 @@ def frames_trimmed(text: str) -> str:
         out.append(lines[i])
         i += 1
     text = "\n".join(out) + "\n"
+    text = text.replace(str(Path(__file__).resolve().parents[1]) + os.sep, "")
     return re.sub(r"/\S*/site-packages/", "<site-packages>/", text)
 
 
@@ -412,9 +418,9 @@ def main(argv: list[str] | None = None) -> int:
             print("```text\n" + (text.rstrip("\n") if args.full else shorten(text)) + "\n```\n")
         print("## facts\n")
         print(facts_table(rows) + "\n")
-        finished = {t.label: runs[t.key].weights for t in present if runs[t.key].weights}
-        for label, w in finished.items():
-            print(f"final weights under `{label}`: w1={w[0]!r} w2={w[1]!r} w3={w[2]!r}")
+        finished = {t.label: ws for t in present if (ws := runs[t.key].weights)}
+        for label, ws in finished.items():
+            print(f"final weights under `{label}`: w1={ws[0]!r} w2={ws[1]!r} w3={ws[2]!r}")
         if len(set(finished.values())) == 1 and len(finished) > 1:
             print("(bitwise equal)")
         print()
