@@ -15,8 +15,8 @@ the line a user adds for torchviz). For each tool the script prints:
   message and notes), with the scratch folder's path removed;
 - a facts table, read from that text by fixed rules (``facts()``): does it name the
   parameter (``w3`` outside quoted source lines), the op that saved it
-  (``MulBackward0``/``Mul``/``aten::mul``), the line that saved it (``train.py:16``),
-  the line that modified it (``train.py:31``), and a fix (a ``fix`` line). "among
+  (``MulBackward0``/``Mul``/``aten::mul``), the line that saved it (``train.py:17``),
+  the line that modified it (``train.py:32``), and a fix (a ``fix`` line). "among
   others" means the text names it together with what is not the culprit (the other
   parameters, the other ops, the other forward or step lines), so it does not single
   it out;
@@ -52,7 +52,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -143,7 +143,6 @@ class Tool:
     look: Look | None = None
     printed: Callable[[], str] | None = None   # what the user prints from it after the run
     reset: Callable[[], None] | None = None
-    shown: list[str] = field(default_factory=list)
 
 
 def _debug_mode() -> Any:
