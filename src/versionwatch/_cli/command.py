@@ -48,9 +48,15 @@ class _Version(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
-        import torch
+        import warnings
 
         from versionwatch._package import __version__
+
+        with warnings.catch_warnings():
+            # Our own program: torch without numpy warns as it loads (as in the demo).
+            warnings.filterwarnings("ignore", message="Failed to initialize NumPy",
+                                    category=UserWarning)
+            import torch
 
         print(f"versionwatch {__version__} (torch {torch.__version__})")
         parser.exit()
