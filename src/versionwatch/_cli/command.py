@@ -36,29 +36,71 @@ versionwatch demo
 versionwatch native (build [--timeout SECONDS] [--force] [--verbose] | status)"""
 
 
+class _Version(argparse.Action):
+    """``--version``: this package's version and torch's, as ``pytest --version`` says its own.
+
+    torch is imported only when asked: building the parser costs no import.
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        import warnings
+
+        from versionwatch._package import __version__
+
+        with warnings.catch_warnings():
+            # Our own program: torch without numpy warns as it loads (as in the demo).
+            warnings.filterwarnings("ignore", message="Failed to initialize NumPy",
+                                    category=UserWarning)
+            import torch
+
+        print(f"versionwatch {__version__} (torch {torch.__version__})")
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="versionwatch",
-        description="Predict and explain PyTorch's 'modified by an inplace operation' errors.",
+        description="Predict and explain PyTorch's 'modified by an inplace operation' errors "
+        "before backward runs, and write the fix.",
+        epilog="`versionwatch COMMAND --help` describes each command's options; "
+        "docs/cli.md has them all.",
     )
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action=_Version,
+                   help="print versionwatch's version and torch's, and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser(
         "run",
         help="run a script or module with every nn.Module and optimizer watched",
         description="Run SCRIPT (or -m MODULE) as __main__ with every nn.Module and optimizer "
-        "it creates watched; no code change. The exit status is the script's own.",
+        "it creates watched; no code change. Each backward is predicted before it runs, and "
+        "a hazard is explained: which tensor, which node saved it, which event changed it, "
+        "and the fix. The exit status is the script's own.",
         epilog="versionwatch's options go before SCRIPT or -m MODULE: everything after it "
         "belongs to the program, as with python. `--` ends versionwatch's options: "
-        "`versionwatch run -- train.py --json x` passes `--json x` to train.py.",
+        "`versionwatch run -- train.py --json x` passes `--json x` to train.py. "
+        "VERSIONWATCH_ON_HAZARD overrides --on-hazard. Details: docs/cli.md.",
     )
     run.add_argument("--on-hazard", choices=POLICIES, default="raise",
-                     help="what a predicted hazard does (default: raise, exit status 1); "
-                     "repair keeps copies so that backward after step() works (docs/repair.md)")
+                     help="what a predicted hazard does: raise (the default) stops the "
+                     "script at that backward, before it runs, with the explanation (exit "
+                     "status 1); warn issues an InplaceHazardWarning and log writes to the "
+                     "`versionwatch` logger, then the backward runs; repair keeps copies so "
+                     "that a backward after step() works (docs/repair.md)")
     run.add_argument("--json", metavar="PATH",
-                     help="write the JSON report here, even if the script dies")
-    run.add_argument("--dot", metavar="PATH", help="write a Graphviz picture of the hazards")
-    run.add_argument("--svg", metavar="PATH", help="render the picture with `dot` (if installed)")
-    run.add_argument("--quiet", action="store_true", help="print nothing unless there is a hazard")
+                     help="write the JSON report here, even if the script dies (one per "
+                     "rank under torchrun: PATH with .rankN before the extension)")
+    run.add_argument("--dot", metavar="PATH",
+                     help="write a Graphviz (DOT) picture of the hazards: the path from the "
+                     "backward's root to the node that saved the stale tensor")
+    run.add_argument("--svg", metavar="PATH",
+                     help="render that picture to SVG with Graphviz's `dot` (if installed)")
+    run.add_argument("--quiet", action="store_true",
+                     help="print nothing of versionwatch's own unless there is a hazard")
     run.add_argument("--strict", action="store_true",
                      help="strict mode: name the line of each write to a saved tensor, "
                      "including writes that bump no version (slower)")
@@ -74,31 +116,50 @@ def _parser() -> argparse.ArgumentParser:
                      "program runs twice, side effects included)")
     # The replay's own child: stop at backward N, write its report to PATH.
     run.add_argument("--replay-child", metavar="N:PATH", help=argparse.SUPPRESS)
-    run.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
-    run.add_argument("target", nargs=argparse.REMAINDER,
-                     help="SCRIPT [ARGS...], or ARGS... with -m; SCRIPT - reads the script "
-                     "from standard input, as python - does")
+    run.add_argument("-m", dest="module", metavar="MODULE",
+                     help="run a module as __main__, like python -m MODULE")
+    run.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
+                     help="the script and its arguments (with -m: the module's arguments); "
+                     "SCRIPT - reads the script from standard input, as python - does")
     merge = sub.add_parser(
         "merge", help="summarize the per-rank JSON reports of a distributed run",
         description="Read the reports that `versionwatch run --json PATH` wrote on each rank "
         "(PATH.rank0.json, PATH.rank1.json, ...) and say which ranks hit which hazard and "
-        "where the ranks disagree. Exit status 1 if any rank had a hazard.")
-    merge.add_argument("reports", nargs="+", metavar="REPORT", help="per-rank JSON reports")
-    merge.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
-    sub.add_parser("demo", help="the seed story in four steps (seconds, on a CPU)")
+        "where the ranks disagree. Exit status 1 if any rank had a hazard, 2 if a file is "
+        "not a report.",
+        epilog="Details: docs/distributed.md.")
+    merge.add_argument("reports", nargs="+", metavar="REPORT",
+                       help="the per-rank JSON reports, one file each")
+    merge.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
+    sub.add_parser(
+        "demo", help="the seed story in four steps (seconds, on a CPU)",
+        description="The seed story in four steps, in a few seconds on a CPU: PyTorch's "
+        "bare error; the same loop watched, the failure predicted and explained; "
+        "zero_grad(set_to_none=True), which only hides it; and the fix that `versionwatch "
+        "fix` writes, verified by running it. It takes no options.")
     native = sub.add_parser(
         "native", help="build the optional native helper, or say whether it is in use",
         description="The optional native helper speeds up the default mode's checks; "
-        "without it everything runs in Python with the same results (docs/native.md).")
-    native_sub = native.add_subparsers(dest="action", required=True)
-    build = native_sub.add_parser("build", help="compile it against this torch (a minute or so)")
+        "without it everything runs in Python with the same results. "
+        "VERSIONWATCH_NATIVE=0 turns it off (docs/native.md).")
+    native_sub = native.add_subparsers(dest="action", required=True, metavar="ACTION")
+    build = native_sub.add_parser(
+        "build", help="compile it against this torch (a minute or so)",
+        description="Compile the native helper against the torch installed here, with "
+        "torch's C++ extension tools, and keep it for this torch and Python. Exit status "
+        "0 once built (or already built).")
     build.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                        help="stop the build after this long (default: 900)")
-    build.add_argument("--force", action="store_true", help="build again even if built")
-    build.add_argument("--verbose", action="store_true", help="show the build's log")
-    native_sub.add_parser("status", help="one line: loaded, not built, or disabled and why")
+    build.add_argument("--force", action="store_true",
+                       help="build again even if a build for this torch exists")
+    build.add_argument("--verbose", action="store_true",
+                       help="show the compiler's log as it builds")
+    native_sub.add_parser(
+        "status", help="one line: loaded, not built, or disabled and why",
+        description="Say in one line whether the native helper is loaded, not built, or "
+        "disabled, and why. It takes no options.")
     sub.add_parser("fix", help="patch the first hazard's lines, each patch checked by running it "
-                   "(docs/fix.md; `versionwatch fix --help`)")
+                   "(`versionwatch fix --help`)", add_help=False)
     return p
 
 

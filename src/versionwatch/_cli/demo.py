@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 
-import torch
-from torch import nn
+# The demo is our own program, and its output starts with our own text: torch, imported
+# without numpy (the base install has none), warns "Failed to initialize NumPy" as it
+# loads. That warning is dropped here, for the demo's own import of torch only; a user's
+# program under `versionwatch run` imports torch itself and sees it as it would plain.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy",
+                            category=UserWarning)
+    import torch
+    from torch import nn
 
-import versionwatch
+    import versionwatch
 
 
 class Model(nn.Module):
@@ -136,6 +144,8 @@ def _title(n: int, text: str) -> None:
 
 
 def main() -> None:
+    print("versionwatch demo: the seed story, a training loop that fails only on its "
+          "second iteration, in four steps")
     server = _server()
     try:
         _steps(server)

@@ -17,6 +17,7 @@ with its side effects. Nothing of the user's is written but by ``--apply``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -566,8 +567,65 @@ def to_json(result: FixResult, target: str | None) -> dict[str, Any]:
 
 # -- the command ---------------------------------------------------------------------
 
-_VALUED = {"--check-steps", "--timeout", "--jobs", "--json", "--facts"}
-_FLAGS = {"--apply", "--force", "--fresh", "--in-place", "-h", "--help"}
+def help_parser() -> argparse.ArgumentParser:
+    """``versionwatch fix``'s options, for ``--help`` and for :func:`_parse`'s two sets.
+
+    ``_parse`` reads the command line itself (the first ``SCRIPT``, ``-m``, ``-c`` or
+    ``-`` ends our options, as it ends python's, and its errors are one line): this
+    parser only says what each option does, and which ones take a value.
+    """
+    p = argparse.ArgumentParser(
+        prog="versionwatch fix",
+        usage=USAGE.replace("versionwatch fix ", "%(prog)s ", 1),
+        description="Run the program in strict mode up to its first hazard, write candidate "
+        "patches of your own lines, and check each one by running the patched program (each "
+        "run in a fresh copy of your folder). A patch is verified when the hazard is gone and "
+        "every optimizer step applies the gradients of the same losses, with the same values, "
+        "as the program as you meant it. Verified patches are printed first, as diffs you can "
+        "`git apply`; rejected ones after, with why.",
+        epilog="versionwatch's options go before SCRIPT (or -m MODULE, -c CODE, -): everything "
+        "after it belongs to the program, as with python; `--` ends the options. Exit status: "
+        "0 without a hazard or when --apply wrote a verified patch; 1 when the program has a "
+        "hazard and nothing was applied; the program's own status when it failed otherwise; "
+        "2 for a bad invocation. Details: docs/fix.md.",
+    )
+    p.add_argument("--check-steps", type=int, default=3, metavar="N",
+                   help="run each patched program this many backwards past the failing one "
+                   "(default: 3)")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="stop each run of the program after this long, cleanup included "
+                   "(default: 120, at most a week)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="check up to N patches at once, each in a process of its own "
+                   "(default: 1; more uses more cores and memory)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start each run in a new interpreter rather than a fork of one that "
+                   "imported torch: for a program that sets torch's environment up "
+                   "(OMP_NUM_THREADS, TORCH_LOGS) before importing it; slower")
+    p.add_argument("--in-place", action="store_true",
+                   help="run every run in your own folder instead of a fresh copy of it "
+                   "(the program's side effects land there; for a folder over 256 MB or "
+                   "20,000 files, which is not copied)")
+    p.add_argument("--apply", action="store_true",
+                   help="write the first verified patch to your file, keeping its encoding, "
+                   "line endings, mode and links")
+    p.add_argument("--force", action="store_true",
+                   help="with --apply: write a read-only file too (it stays read-only)")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the run's JSON document (the hazard, its patches, the facts "
+                   "used) to PATH")
+    p.add_argument("--facts", metavar="PATH",
+                   help="propose patches from facts saved as JSON (the `fix` section's "
+                   "`facts` of a --json document) instead of the strict run's report")
+    p.add_argument("program", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS...]",
+                   help="the program, as python takes it: SCRIPT ARGS..., -m MODULE ARGS..., "
+                   "-c CODE ARGS..., or - (the script on standard input)")
+    return p
+
+
+_OPTIONS = [a for a in help_parser()._actions if a.option_strings]
+_VALUED = {o for a in _OPTIONS if a.nargs != 0 for o in a.option_strings}
+_FLAGS = {o for a in _OPTIONS if a.nargs == 0 for o in a.option_strings}
 
 
 # A run's time limit at most: a week (a limit past what a wait can wait is none).
@@ -591,7 +649,7 @@ def _parse(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
         if arg in ("-h", "--help"):
             opts["help"] = True
             return opts, []
-        if arg in ("--apply", "--force", "--fresh", "--in-place"):
+        if arg in _FLAGS:  # --apply, --force, --fresh, --in-place
             opts[arg[2:].replace("-", "_")] = True
             i += 1
             continue
@@ -681,7 +739,7 @@ def _main(argv: Sequence[str], server: ForkServer | None, disarm: Callable[[], N
     try:
         opts, program = _parse(argv)
         if opts.get("help"):
-            print(f"usage: {USAGE}")
+            help_parser().print_help()
             return 0
         if opts["force"] and not opts["apply"]:
             raise _Usage("--force goes with --apply (it writes a read-only file)")
