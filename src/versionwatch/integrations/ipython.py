@@ -1,0 +1,198 @@
+"""IPython and Jupyter: ``%load_ext versionwatch`` and the ``%%versionwatch`` cell magic.
+
+``%load_ext versionwatch`` watches every module and optimizer the kernel runs from
+then on, as :func:`versionwatch.watch_all` does; a hazard's report is printed in
+the output of the cell that hit it (``on_hazard="warn"`` unless
+``$VERSIONWATCH_ON_HAZARD`` says otherwise). ``%unload_ext versionwatch`` removes
+every hook. ``%%versionwatch [--strict] [--on-hazard POLICY]`` watches one cell.
+
+Lines in a cell read as IPython writes them, ``Cell In[5], line 3``: the kernel
+compiles each cell under a temporary file name, and IPython's compiler keeps which
+name is which cell. ``import versionwatch`` never imports IPython; these entry
+points import it when they are called.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import warnings
+from typing import Any
+
+from versionwatch._report import CELL_LOOKUPS
+
+__all__ = ["load_ipython_extension", "unload_ipython_extension"]
+
+DEFAULT_POLICY = "warn"
+USAGE = "usage: %%versionwatch [--strict] [--on-hazard raise|warn|log|repair]"
+
+# The extension's own state: the kernel's shell, its watcher and its cell lookup.
+_LOADED: dict[str, Any] = {}
+
+
+def _cell_lookup(shell: Any) -> Any:
+    """``filename -> In[n]``, read from the shell's compiler when asked.
+
+    IPython 8 and 9 keep ``compile._filename_map`` (the temporary file name a cell
+    was compiled under -> its execution count); a version without it maps nothing,
+    and reports then show the file name.
+    """
+
+    def lookup(filename: str) -> int | None:
+        compiler = getattr(shell, "compile", None)
+        names = getattr(compiler, "_filename_map", None)
+        if isinstance(names, dict):
+            number = names.get(filename)
+            return number if isinstance(number, int) and not isinstance(number, bool) else None
+        # Else the public face of the same map: ("Cell", "In[5]") for a cell's file.
+        shown = getattr(compiler, "format_code_name", None)
+        try:
+            label = shown(filename) if callable(shown) else None
+        except Exception:  # a compiler of another kind: no cells to name
+            return None
+        if isinstance(label, tuple) and len(label) == 2 and str(label[1]).startswith("In["):
+            digits = str(label[1])[3:-1]
+            return int(digits) if digits.isdigit() else None
+        return None
+
+    return lookup
+
+
+def _add_lookup(shell: Any) -> Any:
+    lookup = _cell_lookup(shell)
+    CELL_LOOKUPS.append(lookup)
+    return lookup
+
+
+def _remove_lookup(lookup: Any) -> None:
+    # By identity: another shell's lookup (a second kernel in one process) stays.
+    for i, other in enumerate(CELL_LOOKUPS):
+        if other is lookup:
+            del CELL_LOOKUPS[i]
+            return
+
+
+def _show_reports(original: Any) -> Any:
+    """``warnings.showwarning`` that prints a versionwatch report as its text, once.
+
+    The default format would put the kernel's temporary file name and the line
+    before the report, which names its lines as IPython does; any other warning
+    goes to ``original``.
+    """
+    from versionwatch._report import InplaceHazardWarning
+
+    def showwarning(message: Any, category: Any, filename: str, lineno: int,
+                    file: Any = None, line: str | None = None) -> None:
+        if isinstance(category, type) and issubclass(category, InplaceHazardWarning):
+            stream = file if file is not None else sys.stderr
+            try:
+                stream.write(f"{message}\n")
+            except (OSError, AttributeError):  # no stream to write to: as warnings does
+                pass
+            return
+        original(message, category, filename, lineno, file, line)
+
+    return showwarning
+
+
+def load_ipython_extension(ip: Any) -> None:
+    """``%load_ext versionwatch``: watch everything the kernel runs from now on.
+
+    Loading twice is harmless: the second load does nothing.
+
+    Example:
+        >>> from IPython.testing.globalipapp import get_ipython  # doctest: +SKIP
+        >>> ip = get_ipython()                                   # doctest: +SKIP
+        >>> ip.run_line_magic("load_ext", "versionwatch")        # doctest: +SKIP
+        >>> ip.run_line_magic("unload_ext", "versionwatch")      # doctest: +SKIP
+    """
+    from versionwatch._watch import resolve_policy, watch_all
+
+    ip.register_magic_function(_cell_magic, magic_kind="cell", magic_name="versionwatch")
+    if _LOADED.get("watcher") is not None and not _LOADED["watcher"].closed:
+        return
+    lookup = _add_lookup(ip)
+    try:
+        watcher = watch_all(on_hazard=resolve_policy(DEFAULT_POLICY))
+    except BaseException:
+        _remove_lookup(lookup)
+        raise
+    original = warnings.showwarning
+    warnings.showwarning = _show_reports(original)
+    _LOADED.update(shell=ip, watcher=watcher, lookup=lookup, showwarning=original,
+                   ours=warnings.showwarning)
+
+
+def unload_ipython_extension(ip: Any) -> None:
+    """``%unload_ext versionwatch``: remove every hook and patch the extension made.
+
+    Example:
+        >>> ip.run_line_magic("unload_ext", "versionwatch")  # doctest: +SKIP
+    """
+    watcher, lookup = _LOADED.pop("watcher", None), _LOADED.pop("lookup", None)
+    original, ours = _LOADED.pop("showwarning", None), _LOADED.pop("ours", None)
+    _LOADED.pop("shell", None)
+    if ours is not None and warnings.showwarning is ours:  # else someone wrapped it since
+        warnings.showwarning = original
+    try:
+        if watcher is not None:
+            watcher.close()
+    finally:
+        if lookup is not None:
+            _remove_lookup(lookup)
+
+
+def _parse(line: str) -> tuple[bool, str]:
+    """``(strict, policy)`` from the magic's line; a bad one raises ``UsageError``."""
+    from IPython.core.error import UsageError
+
+    from versionwatch._watch import POLICIES
+
+    try:
+        words = shlex.split(line)
+    except ValueError as err:
+        raise UsageError(f"%%versionwatch: {err}; {USAGE}") from None
+    strict, policy = False, DEFAULT_POLICY
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "--strict":
+            strict = True
+        elif word == "--on-hazard" or word.startswith("--on-hazard="):
+            if "=" in word:
+                policy = word.split("=", 1)[1]
+            elif i + 1 < len(words):
+                i += 1
+                policy = words[i]
+            else:
+                raise UsageError(f"%%versionwatch: --on-hazard needs a value; {USAGE}")
+            if policy not in POLICIES:
+                raise UsageError(f"%%versionwatch: --on-hazard {policy!r} is not a policy; "
+                                 f"use one of: {', '.join(POLICIES)}")
+        else:
+            raise UsageError(f"%%versionwatch: unknown option {word!r}; {USAGE}")
+        i += 1
+    return strict, policy
+
+
+def _cell_magic(line: str, cell: str) -> None:
+    """``%%versionwatch [--strict] [--on-hazard POLICY]``: watch this cell only."""
+    from IPython import get_ipython
+    from IPython.core.error import UsageError
+
+    from versionwatch._watch import env_problem, watch_all
+
+    strict, policy = _parse(line)
+    problem = env_problem()
+    if problem is not None:
+        raise UsageError(f"%%versionwatch: {problem}")
+    shell = get_ipython()
+    lookup = None if _LOADED.get("lookup") is not None else _add_lookup(shell)
+    try:
+        with watch_all(on_hazard=policy, strict=strict):  # type: ignore[arg-type]
+            # The cell's body as a cell of its own: IPython compiles it under a file
+            # name of its own, mapped to this cell's number, and shows its last value.
+            shell.run_cell(cell, store_history=False)
+    finally:
+        if lookup is not None:
+            _remove_lookup(lookup)

@@ -1,0 +1,220 @@
+"""Notebooks, executed headless (nbclient + ipykernel): ``%load_ext versionwatch``,
+``%%versionwatch``, cells named ``Cell In[n], line k``, a re-run backward cell.
+
+Two kernels for the module: the watched notebook and the same notebook without
+versionwatch, which must train bitwise alike up to the failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import versionwatch
+
+SRC = str(Path(versionwatch.__file__).resolve().parents[1])
+
+SETUP = """\
+import torch
+from torch import nn
+torch.manual_seed(0)
+G = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+D = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+opt_g = torch.optim.SGD(G.parameters(), lr=0.1)
+opt_d = torch.optim.SGD(D.parameters(), lr=0.1)
+"""
+
+# The right order: D's step after G's backward.
+GOOD = """\
+for _ in range(3):
+    fake = G(torch.randn(16, 4))
+    d_loss = D(fake.detach()).mean() - D(torch.randn(16, 4)).mean()
+    g_loss = -D(fake).mean()
+    opt_d.zero_grad()
+    opt_g.zero_grad()
+    g_loss.backward()
+    d_loss.backward()
+    opt_d.step()
+    opt_g.step()
+"""
+
+# The bug: D steps before G's backward, which needs D's old weights.
+BAD = """\
+fake = G(torch.randn(16, 4))
+d_loss = D(fake.detach()).mean() - D(torch.randn(16, 4)).mean()
+g_loss = -D(fake).mean()
+opt_d.zero_grad()
+d_loss.backward()
+opt_d.step()
+opt_g.zero_grad()
+g_loss.backward()
+"""
+
+DUMP = """\
+import hashlib
+print("PARAMS", hashlib.sha256(b"".join(
+    p.detach().numpy().tobytes() for m in (G, D) for p in m.parameters())).hexdigest())
+"""
+
+FORWARD = "net = nn.Sequential(nn.Linear(3, 3), nn.Tanh())\nloss = net(torch.ones(2, 3)).sum()\n"
+BACKWARD = "loss.backward()\n"
+
+HOOKS = """\
+import torch
+import torch.optim.optimizer as optimizer_module
+from torch import nn
+def patched():
+    return (torch.Tensor.backward, torch.autograd.backward, nn.Module.__call__,
+            torch.optim.Optimizer.zero_grad, torch.autograd.grad,
+            dict(optimizer_module._global_optimizer_pre_hooks),
+            dict(optimizer_module._global_optimizer_post_hooks),
+            dict(torch.nn.modules.module._global_forward_pre_hooks),
+            dict(torch.nn.modules.module._global_forward_hooks))
+"""
+
+
+def _run(cells: list[str], tmp: Path, name: str) -> list[dict[str, Any]]:
+    """Execute ``cells`` as a notebook in a fresh kernel; each cell's outputs."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    client = nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=120, allow_errors=True,
+        resources={"metadata": {"path": str(tmp)}})
+    # The kernel runs this interpreter ("python" in the kernel spec is ours) on this
+    # checkout's sources, whatever is installed.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [SRC, *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "VERSIONWATCH_ON_HAZARD": ""}
+    client.execute(env=env)
+    nbformat.write(nb, str(tmp / f"{name}.ipynb"))
+    return [c.get("outputs", []) for c in nb.cells]
+
+
+def _text(outputs: list[dict[str, Any]]) -> str:
+    parts = []
+    for o in outputs:
+        if o.get("output_type") == "stream":
+            parts.append(o["text"])
+        elif o.get("output_type") == "error":
+            parts.append(f"{o['ename']}: {o['evalue']}")
+        elif "data" in o:
+            parts.append(o["data"].get("text/plain", ""))
+    return "".join(parts)
+
+
+WATCHED = [
+    "import sys, versionwatch\nprint(sys.executable, versionwatch.__file__)\n" + HOOKS +
+    "before = patched()\n%load_ext versionwatch\n%load_ext versionwatch\n",  # In[1]
+    SETUP,  # In[2]
+    GOOD,  # In[3]
+    BAD,  # In[4]
+    DUMP,  # In[5]
+    FORWARD,  # In[6]
+    BACKWARD,  # In[7]
+    BACKWARD,  # In[8]: run again on the freed graph
+    "%%versionwatch --on-hazard nope\nprint('ran')\n",  # In[9]: never runs
+    "%%versionwatch --strict --on-hazard warn\nx = torch.ones(3, requires_grad=True)\n"
+    "y = x.exp()\ny.add_(1)\ny.sum().backward()\n",  # In[10]
+    "import json\nfrom versionwatch.integrations import ipython as vw_ipython\n"
+    "reports = vw_ipython._LOADED['watcher'].reports\n"
+    "print('JSON', json.dumps([r.to_dict() for r in reports]))\n"
+    "print('HTML', reports[0]._repr_html_().replace(chr(10), ' '))\n",  # In[11]
+    "%unload_ext versionwatch\nprint('RESTORED', patched() == before)\n",  # In[12]
+]
+
+PLAIN = [
+    "import sys\nprint(sys.executable)\n",
+    SETUP,
+    GOOD,
+    BAD,
+    DUMP,
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    pytest.importorskip("IPython")
+    pytest.importorskip("ipykernel")
+    tmp = tmp_path_factory.mktemp("nb")
+    return {"watched": _run(WATCHED, tmp, "watched"), "plain": _run(PLAIN, tmp, "plain")}
+
+
+def test_kernel_runs_this_checkout(runs: dict[str, list[dict[str, Any]]]) -> None:
+    first = _text(runs["watched"][0])
+    assert first.split()[0] == sys.executable, first
+    assert first.split()[1] == versionwatch.__file__, first
+
+
+def test_gan_bug_reported_in_its_cell_with_cell_lines(runs: dict[str, list[dict[str, Any]]]) -> None:
+    out = _text(runs["watched"][3])
+    assert out.count("versionwatch: backward will fail") == 1, out
+    assert "modified by an inplace operation" in out
+    # The forward, the step and the backward, as IPython names them, with their code.
+    assert "Cell In[4], line 3" in out, out  # g_loss = -D(fake).mean()
+    assert "Cell In[4], line 6" in out, out  # opt_d.step()
+    assert "backward at  Cell In[4], line 8" in out or \
+        re.search(r"backward at\s+Cell In\[4\], line 8", out), out
+    assert "ipykernel_" not in out, out
+    # PyTorch's own error follows (warn policy): the notebook fails as the plain one does.
+    assert "RuntimeError: one of the variables needed" in out
+    assert "RuntimeError: one of the variables needed" in _text(runs["plain"][3])
+    # Nothing was printed in the cells without a hazard.
+    assert "versionwatch" not in _text(runs["watched"][2])
+
+
+def test_training_bitwise_as_the_plain_notebook(runs: dict[str, list[dict[str, Any]]]) -> None:
+    watched, plain = _text(runs["watched"][4]), _text(runs["plain"][4])
+    assert watched.startswith("PARAMS ") and watched == plain
+
+
+def test_rerun_backward_cell_named(runs: dict[str, list[dict[str, Any]]]) -> None:
+    assert "versionwatch" not in _text(runs["watched"][6])
+    out = _text(runs["watched"][7])
+    assert "this cell ran again on the graph of In[6]" in out, out
+    assert "re-run the forward cell In[6] first, or build the forward in the same cell " \
+           "as the backward" in out, out
+    assert "Trying to backward through the graph a second time" in out
+
+
+def test_cell_magic(runs: dict[str, list[dict[str, Any]]]) -> None:
+    bad = runs["watched"][8]
+    assert [o.get("ename") for o in bad if o["output_type"] == "error"] == ["UsageError"]
+    text = _text(bad)
+    assert "'nope' is not a policy" in text and "ran" not in text.replace("warn", "")
+    assert all("Traceback" not in "".join(o.get("traceback", [])) for o in bad)
+    out = _text(runs["watched"][9])
+    assert "versionwatch" not in out and "Error" not in out, out
+
+
+def test_json_and_html_name_cells(runs: dict[str, list[dict[str, Any]]]) -> None:
+    out = _text(runs["watched"][10])
+    line = next(x for x in out.splitlines() if x.startswith("JSON "))
+    reports = json.loads(line[5:])
+    sites = [h["saved_at"] for r in reports for h in r["hazards"] if h.get("saved_at")]
+    text = json.dumps(reports)
+    assert '"cell": 4' in text, text[:2000]
+    assert sites is not None
+    html = next(x for x in out.splitlines() if x.startswith("HTML "))
+    assert "Cell In[4], line 8" in html
+
+
+def test_unload_restores_every_hook(runs: dict[str, list[dict[str, Any]]]) -> None:
+    assert "RESTORED True" in _text(runs["watched"][11])
+
+
+def test_import_versionwatch_imports_no_ipython() -> None:
+    code = ("import sys, versionwatch; versionwatch.load_ipython_extension; "
+            "bad = [m for m in ('IPython', 'ipykernel', 'lightning', 'transformers') "
+            "if m in sys.modules]; assert not bad, bad")
+    env = {**os.environ, "PYTHONPATH": SRC}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
