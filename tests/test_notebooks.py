@@ -7,6 +7,7 @@ versionwatch, which must train bitwise alike up to the failure.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -80,23 +81,32 @@ def patched():
 """
 
 
-def _run(cells: list[str], tmp: Path, name: str) -> list[dict[str, Any]]:
-    """Execute ``cells`` as a notebook in a fresh kernel; each cell's outputs."""
+def _run(notebooks: dict[str, list[str]], tmp: Path) -> dict[str, list[list[dict[str, Any]]]]:
+    """Execute each list of cells as a notebook, each in a fresh kernel, side by side;
+    each notebook's outputs, cell by cell."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-    client = nbclient.NotebookClient(
-        nb, kernel_name="python3", timeout=120, allow_errors=True,
-        resources={"metadata": {"path": str(tmp)}})
     # The kernel runs this interpreter ("python" in the kernel spec is ours) on this
     # checkout's sources, whatever is installed.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [SRC, *filter(None, [os.environ.get("PYTHONPATH")])]),
         "VERSIONWATCH_ON_HAZARD": ""}
-    client.execute(env=env)
-    nbformat.write(nb, str(tmp / f"{name}.ipynb"))
-    return [c.get("outputs", []) for c in nb.cells]
+    books = {}
+    for name, cells in notebooks.items():
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+        books[name] = nb
+
+    async def run_all() -> None:
+        await asyncio.gather(*(nbclient.NotebookClient(
+            nb, kernel_name="python3", timeout=120, allow_errors=True,
+            resources={"metadata": {"path": str(tmp)}}).async_execute(env=env)
+            for nb in books.values()))
+
+    asyncio.run(run_all())
+    for name, nb in books.items():
+        nbformat.write(nb, str(tmp / f"{name}.ipynb"))  # to read when a test fails
+    return {name: [c.get("outputs", []) for c in nb.cells] for name, nb in books.items()}
 
 
 def _text(outputs: list[dict[str, Any]]) -> str:
@@ -145,7 +155,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
     pytest.importorskip("IPython")
     pytest.importorskip("ipykernel")
     tmp = tmp_path_factory.mktemp("nb")
-    return {"watched": _run(WATCHED, tmp, "watched"), "plain": _run(PLAIN, tmp, "plain")}
+    return _run({"watched": WATCHED, "plain": PLAIN}, tmp)
 
 
 def test_kernel_runs_this_checkout(runs: dict[str, list[dict[str, Any]]]) -> None:
@@ -187,22 +197,29 @@ def test_rerun_backward_cell_named(runs: dict[str, list[dict[str, Any]]]) -> Non
 
 def test_cell_magic(runs: dict[str, list[dict[str, Any]]]) -> None:
     bad = runs["watched"][8]
-    assert [o.get("ename") for o in bad if o["output_type"] == "error"] == ["UsageError"]
-    text = _text(bad)
-    assert "'nope' is not a policy" in text and "ran" not in text.replace("warn", "")
-    assert all("Traceback" not in "".join(o.get("traceback", [])) for o in bad)
+    # IPython prints a UsageError as one line, no traceback; the body never ran.
+    assert [o["output_type"] for o in bad] == ["stream"], bad
+    assert _text(bad).strip() == ("UsageError: %%versionwatch: --on-hazard 'nope' is not a "
+                                  "policy; use one of: raise, warn, log, repair"), bad
+    # Watched only there, strict: the write's own line, in this cell (its body's lines).
     out = _text(runs["watched"][9])
-    assert "versionwatch" not in out and "Error" not in out, out
+    assert out.count("versionwatch: backward will fail") == 1, out
+    assert "modified by  add_() at Cell In[10], line 3: y.add_(1)" in out, out
+    assert "ipykernel_" not in out, out
 
 
 def test_json_and_html_name_cells(runs: dict[str, list[dict[str, Any]]]) -> None:
     out = _text(runs["watched"][10])
     line = next(x for x in out.splitlines() if x.startswith("JSON "))
-    reports = json.loads(line[5:])
-    sites = [h["saved_at"] for r in reports for h in r["hazards"] if h.get("saved_at")]
-    text = json.dumps(reports)
-    assert '"cell": 4' in text, text[:2000]
-    assert sites is not None
+    gan, freed = json.loads(line[5:])  # the strict cell's watcher kept its own
+    h = gan["hazards"][0]
+    assert h["backward_site"]["cell"] == 4 and h["backward_site"]["line"] == 8
+    assert h["backward_site"]["file"].endswith(".py")  # the path stays beside it
+    assert (h["modified_by"][0]["cell"], h["modified_by"][0]["line"]) == (4, 6)
+    assert (h["saved_forward"]["cell"], h["saved_forward"]["line"]) == (4, 3)
+    f = freed["hazards"][0]
+    assert f["freed_by"]["cell"] == 8 and f["saved_forward"]["cell"] == 6
+    assert f["fix"].startswith("re-run the forward cell In[6] first")
     html = next(x for x in out.splitlines() if x.startswith("HTML "))
     assert "Cell In[4], line 8" in html
 

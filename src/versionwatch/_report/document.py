@@ -92,7 +92,8 @@ def hazard_dict(h: Hazard, forward: Forward | None) -> dict[str, object]:
     c = h.carrier
     d["carrier"] = None if c is None else {
         "name": c.name, "file": c.site.file if c.site else None,
-        "line": c.site.line if c.site else None, **_cell(c.site), "code": c.site.code if c.site else None,
+        "line": c.site.line if c.site else None, **_cell(c.site),
+        "code": c.site.code if c.site else None,
         "module": c.module, "role": c.role, "fed_to": _forward(c.fed_to),
         "entered": _site(c.entered), "trained": c.trained}
     b = h.between

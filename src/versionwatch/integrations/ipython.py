@@ -17,13 +17,13 @@ from __future__ import annotations
 import shlex
 import sys
 import warnings
-from typing import Any
+from typing import Any, Literal
 
-from versionwatch._report import CELL_LOOKUPS
+from versionwatch._report import CELL_LOOKUPS, register_cell
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension"]
 
-DEFAULT_POLICY = "warn"
+DEFAULT_POLICY: Literal["warn"] = "warn"
 USAGE = "usage: %%versionwatch [--strict] [--on-hazard raise|warn|log|repair]"
 
 # The extension's own state: the kernel's shell, its watcher and its cell lookup.
@@ -152,7 +152,7 @@ def _parse(line: str) -> tuple[bool, str]:
         words = shlex.split(line)
     except ValueError as err:
         raise UsageError(f"%%versionwatch: {err}; {USAGE}") from None
-    strict, policy = False, DEFAULT_POLICY
+    strict, policy = False, str(DEFAULT_POLICY)
     i = 0
     while i < len(words):
         word = words[i]
@@ -188,11 +188,41 @@ def _cell_magic(line: str, cell: str) -> None:
         raise UsageError(f"%%versionwatch: {problem}")
     shell = get_ipython()
     lookup = None if _LOADED.get("lookup") is not None else _add_lookup(shell)
+    # The body runs as a cell of its own (IPython compiles it under a file name of its
+    # own and shows its last value), numbered with the execution count IPython has
+    # moved on to: its lines belong to this cell, In[n] as the notebook shows it.
+    names = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    outer = _calling_cell(names)
+    inner = getattr(shell, "execution_count", None)
+    renumber = None
+    if isinstance(names, dict) and outer is not None and inner != outer:
+
+        def renumber(filename: str) -> int | None:
+            return outer if names.get(filename) == inner else None
+
+        CELL_LOOKUPS.insert(0, renumber)
     try:
         with watch_all(on_hazard=policy, strict=strict):  # type: ignore[arg-type]
-            # The cell's body as a cell of its own: IPython compiles it under a file
-            # name of its own, mapped to this cell's number, and shows its last value.
             shell.run_cell(cell, store_history=False)
     finally:
+        if renumber is not None:
+            # Reports kept from this cell go on naming it once the next cell takes `inner`.
+            for filename, number in list(names.items()):  # type: ignore[union-attr]
+                if number == inner:
+                    register_cell(filename, outer)  # type: ignore[arg-type]
+            _remove_lookup(renumber)
         if lookup is not None:
             _remove_lookup(lookup)
+
+
+def _calling_cell(names: object) -> int | None:
+    """The number of the cell whose code called the magic: its frame's file is a cell's."""
+    if not isinstance(names, dict):
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        number = names.get(frame.f_code.co_filename)
+        if isinstance(number, int):
+            return number
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
