@@ -228,6 +228,23 @@ def test_unload_restores_every_hook(runs: dict[str, list[dict[str, Any]]]) -> No
     assert "RESTORED True" in _text(runs["watched"][11])
 
 
+def test_docs_show_what_the_notebook_prints(runs: dict[str, list[dict[str, Any]]]) -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "notebooks.md").read_text()
+    blocks = re.findall(r"```text\n(.*?)```", page, flags=re.DOTALL)
+    assert BAD in blocks
+    gan = blocks[blocks.index(BAD) + 1]
+    rerun = next(b for b in blocks if "this cell ran again" in b)
+
+    def shown(block: str, out: str) -> None:
+        out = re.sub(r" +", " ", out)
+        for line in block.splitlines():
+            if line.strip() and line.strip() != "...":
+                assert re.sub(r" +", " ", line) in out, line
+
+    shown(gan, _text(runs["watched"][3]))
+    shown(rerun, _text(runs["watched"][7]))
+
+
 def test_import_versionwatch_imports_no_ipython() -> None:
     code = ("import sys, versionwatch; versionwatch.load_ipython_extension; "
             "bad = [m for m in ('IPython', 'ipykernel', 'lightning', 'transformers') "
