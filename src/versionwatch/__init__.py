@@ -24,10 +24,7 @@ if TYPE_CHECKING:
     )
     from versionwatch._timeline import Timeline
     from versionwatch._watch import AutoWatcher, Watcher, watch, watch_all
-    from versionwatch.integrations.ipython import (
-        load_ipython_extension,
-        unload_ipython_extension,
-    )
+    from versionwatch.integrations import load_ipython_extension, unload_ipython_extension
 
 __all__ = [
     "AutoWatcher",
@@ -80,8 +77,8 @@ _WHERE = {
     "Timeline": "versionwatch._timeline",
     "Watcher": "versionwatch._watch",
     # IPython's %load_ext looks these up here; they import IPython only when called.
-    "load_ipython_extension": "versionwatch.integrations.ipython",
-    "unload_ipython_extension": "versionwatch.integrations.ipython",
+    "load_ipython_extension": "versionwatch.integrations",
+    "unload_ipython_extension": "versionwatch.integrations",
     "watch": "versionwatch._watch",
 }
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import shlex
 import sys
 import warnings
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, TextIO
 
 from versionwatch._report import CELL_LOOKUPS, register_cell
 
@@ -26,11 +27,25 @@ __all__ = ["load_ipython_extension", "unload_ipython_extension"]
 DEFAULT_POLICY: Literal["warn"] = "warn"
 USAGE = "usage: %%versionwatch [--strict] [--on-hazard raise|warn|log|repair]"
 
+Lookup = Callable[[str], "int | None"]
+
+
+class Shell(Protocol):
+    """What the extension uses of IPython's ``InteractiveShell``."""
+
+    execution_count: int
+
+    def register_magic_function(self, func: Callable[..., object], magic_kind: str = ...,
+                                magic_name: str | None = ...) -> None: ...
+
+    def run_cell(self, raw_cell: str, store_history: bool = ...) -> object: ...
+
+
 # The extension's own state: the kernel's shell, its watcher and its cell lookup.
 _LOADED: dict[str, Any] = {}
 
 
-def _cell_lookup(shell: Any) -> Any:
+def _cell_lookup(shell: object) -> Lookup:
     """``filename -> In[n]``, read from the shell's compiler when asked.
 
     IPython 8 and 9 keep ``compile._filename_map`` (the temporary file name a cell
@@ -58,13 +73,13 @@ def _cell_lookup(shell: Any) -> Any:
     return lookup
 
 
-def _add_lookup(shell: Any) -> Any:
+def _add_lookup(shell: object) -> Lookup:
     lookup = _cell_lookup(shell)
     CELL_LOOKUPS.append(lookup)
     return lookup
 
 
-def _remove_lookup(lookup: Any) -> None:
+def _remove_lookup(lookup: Lookup) -> None:
     # By identity: another shell's lookup (a second kernel in one process) stays.
     for i, other in enumerate(CELL_LOOKUPS):
         if other is lookup:
@@ -72,7 +87,7 @@ def _remove_lookup(lookup: Any) -> None:
             return
 
 
-def _show_reports(original: Any) -> Any:
+def _show_reports(original: Callable[..., None]) -> Callable[..., None]:
     """``warnings.showwarning`` that prints a versionwatch report as its text, once.
 
     The default format would put the kernel's temporary file name and the line
@@ -81,9 +96,9 @@ def _show_reports(original: Any) -> Any:
     """
     from versionwatch._report import InplaceHazardWarning
 
-    def showwarning(message: Any, category: Any, filename: str, lineno: int,
-                    file: Any = None, line: str | None = None) -> None:
-        if isinstance(category, type) and issubclass(category, InplaceHazardWarning):
+    def showwarning(message: Warning | str, category: type[Warning], filename: str,
+                    lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
+        if issubclass(category, InplaceHazardWarning):
             stream = file if file is not None else sys.stderr
             try:
                 stream.write(f"{message}\n")
@@ -95,7 +110,7 @@ def _show_reports(original: Any) -> Any:
     return showwarning
 
 
-def load_ipython_extension(ip: Any) -> None:
+def load_ipython_extension(ip: Shell) -> None:
     """``%load_ext versionwatch``: watch everything the kernel runs from now on.
 
     Loading twice is harmless: the second load does nothing.
@@ -108,7 +123,11 @@ def load_ipython_extension(ip: Any) -> None:
     """
     from versionwatch._watch import resolve_policy, watch_all
 
-    ip.register_magic_function(_cell_magic, magic_kind="cell", magic_name="versionwatch")
+    def versionwatch(line: str, cell: str) -> None:
+        """``%%versionwatch [--strict] [--on-hazard POLICY]``: watch this cell only."""
+        _cell_magic(ip, line, cell)
+
+    ip.register_magic_function(versionwatch, magic_kind="cell", magic_name="versionwatch")
     if _LOADED.get("watcher") is not None and not _LOADED["watcher"].closed:
         return
     lookup = _add_lookup(ip)
@@ -123,7 +142,7 @@ def load_ipython_extension(ip: Any) -> None:
                    ours=warnings.showwarning)
 
 
-def unload_ipython_extension(ip: Any) -> None:
+def unload_ipython_extension(ip: Shell) -> None:
     """``%unload_ext versionwatch``: remove every hook and patch the extension made.
 
     Example:
@@ -175,9 +194,8 @@ def _parse(line: str) -> tuple[bool, str]:
     return strict, policy
 
 
-def _cell_magic(line: str, cell: str) -> None:
-    """``%%versionwatch [--strict] [--on-hazard POLICY]``: watch this cell only."""
-    from IPython import get_ipython
+def _cell_magic(shell: Shell, line: str, cell: str) -> None:
+    """Run ``cell`` watched, as ``line``'s options say."""
     from IPython.core.error import UsageError
 
     from versionwatch._watch import env_problem, watch_all
@@ -186,7 +204,6 @@ def _cell_magic(line: str, cell: str) -> None:
     problem = env_problem()
     if problem is not None:
         raise UsageError(f"%%versionwatch: {problem}")
-    shell = get_ipython()
     lookup = None if _LOADED.get("lookup") is not None else _add_lookup(shell)
     # The body runs as a cell of its own (IPython compiles it under a file name of its
     # own and shows its last value), numbered with the execution count IPython has
