@@ -139,6 +139,7 @@ WATCHED = [
     "print('JSON', json.dumps([r.to_dict() for r in reports]))\n"
     "print('HTML', reports[0]._repr_html_().replace(chr(10), ' '))\n",  # In[11]
     "%unload_ext versionwatch\nprint('RESTORED', patched() == before)\n",  # In[12]
+    "%env VERSIONWATCH_ON_HAZARD=nope\n%load_ext versionwatch\n",  # In[13]
 ]
 
 PLAIN = [
@@ -243,6 +244,14 @@ def test_docs_show_what_the_notebook_prints(runs: dict[str, list[dict[str, Any]]
 
     shown(gan, _text(runs["watched"][3]))
     shown(rerun, _text(runs["watched"][7]))
+
+
+def test_bad_environment_is_one_line_at_load(runs: dict[str, list[dict[str, Any]]]) -> None:
+    out = runs["watched"][12]
+    assert [o["output_type"] for o in out] == ["stream", "stream"], out
+    assert _text(out).splitlines()[-1] == (
+        "UsageError: versionwatch: VERSIONWATCH_ON_HAZARD='nope' is not a valid policy; "
+        "use one of: raise, warn, log, repair"), out
 
 
 def test_import_versionwatch_imports_no_ipython() -> None:

@@ -121,7 +121,13 @@ def load_ipython_extension(ip: Shell) -> None:
         >>> ip.run_line_magic("load_ext", "versionwatch")        # doctest: +SKIP
         >>> ip.run_line_magic("unload_ext", "versionwatch")      # doctest: +SKIP
     """
-    from versionwatch._watch import resolve_policy, watch_all
+    from IPython.core.error import UsageError
+
+    from versionwatch._watch import env_problem, resolve_policy, watch_all
+
+    problem = env_problem()
+    if problem is not None:  # one line in the cell's output, not our traceback
+        raise UsageError(f"versionwatch: {problem}")
 
     def versionwatch(line: str, cell: str) -> None:
         """``%%versionwatch [--strict] [--on-hazard POLICY]``: watch this cell only."""
