@@ -261,3 +261,48 @@ def test_import_versionwatch_imports_no_ipython() -> None:
     env = {**os.environ, "PYTHONPATH": SRC}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_rerun_cell_wording_without_a_kernel(tmp_path: Path) -> None:
+    """The same wording from cells that ``versionwatch run nb.ipynb`` registers (no IPython):
+    and a backward run again in a plain file keeps the usual words."""
+    import linecache
+    import warnings
+
+    import torch
+
+    from versionwatch._report import register_cell
+    from versionwatch._report.model import CELLS
+
+    ns: dict[str, Any] = {"torch": torch, "nn": torch.nn}
+    cells = {6: FORWARD, 8: BACKWARD}
+    names = {n: str(tmp_path / f"cell{n}.py") for n in cells}
+    try:
+        for n, code in cells.items():
+            register_cell(names[n], n)
+            linecache.cache[names[n]] = (len(code), None, code.splitlines(True), names[n])
+        with versionwatch.watch_all(on_hazard="warn") as w, \
+                warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            exec(compile(FORWARD, names[6], "exec"), ns)
+            exec(compile(BACKWARD, names[8], "exec"), ns)
+            with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                exec(compile(BACKWARD, names[8], "exec"), ns)
+        text = str(seen[-1].message)
+        assert text.splitlines()[0] == ("versionwatch: backward will fail: this cell ran again on "
+                                        "the graph of In[6], which its earlier run's backward "
+                                        "already freed"), text
+        assert "fix          re-run the forward cell In[6] first" in text, text
+        assert "freed by     backward #1 at Cell In[8], line 1 (this cell's earlier run)" in text
+        # The same lines outside cells: the usual freed-graph words.
+        for n in cells:
+            del CELLS[names[n]]
+        again = str(w.reports[-1])
+        assert again.splitlines()[0].endswith("it would backward through the graph a second "
+                                              "time; the tensors saved by TanhBackward0 were "
+                                              "already freed"), again
+        assert "(this same line, in an earlier iteration)" in again, again
+    finally:
+        for n in cells:
+            CELLS.pop(names[n], None)
+            linecache.cache.pop(names[n], None)
