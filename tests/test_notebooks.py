@@ -306,3 +306,23 @@ def test_rerun_cell_wording_without_a_kernel(tmp_path: Path) -> None:
         for n in cells:
             CELLS.pop(names[n], None)
             linecache.cache.pop(names[n], None)
+
+
+def test_kernel_warn_policy_shows_the_same_report_each_time() -> None:
+    """``warnings.warn`` would show one text once per cell namespace; a kernel's report
+    shows again when the cell runs again (filters still apply)."""
+    import warnings
+
+    from versionwatch.integrations import ipython
+
+    report = versionwatch.Report(hazards=[versionwatch.Hazard(
+        kind="freed", node="MulBackward0", slot="other")])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        ipython._warn(report)
+        ipython._warn(report)
+    assert [type(w.message) for w in seen] == [versionwatch.InplaceHazardWarning] * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", versionwatch.InplaceHazardWarning)
+        with pytest.raises(versionwatch.InplaceHazardWarning, match="already freed"):
+            ipython._warn(report)

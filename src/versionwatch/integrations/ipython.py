@@ -18,9 +18,12 @@ import shlex
 import sys
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TextIO
 
-from versionwatch._report import CELL_LOOKUPS, register_cell
+from versionwatch._report import CELL_LOOKUPS, Report, register_cell
+
+if TYPE_CHECKING:
+    from versionwatch._watch import Policy
 
 __all__ = ["load_ipython_extension", "unload_ipython_extension"]
 
@@ -110,6 +113,39 @@ def _show_reports(original: Callable[..., None]) -> Callable[..., None]:
     return showwarning
 
 
+def _warn(report: Report) -> None:
+    """The ``warn`` policy in a kernel: an :class:`InplaceHazardWarning` at the backward's
+    line, shown each time.
+
+    ``warnings.warn`` keeps a registry in the cell's namespace, and shows a warning again
+    only if its text differs: a cell run again with the same bug would print nothing.
+    Filters (``"error"``, ``"ignore"``, ``"once"``) apply as to any warning.
+    """
+    from versionwatch._report import InplaceHazardWarning
+
+    site = report.backward_site
+    warnings.warn_explicit(str(report), InplaceHazardWarning,
+                           site.file if site is not None else "<versionwatch>",
+                           site.line if site is not None else 0, registry=None)
+
+
+def _policy(policy: str) -> Policy:
+    """``policy`` as a kernel runs it: ``warn`` shown each time, the others as they are."""
+    return _warn if policy == "warn" else policy  # type: ignore[return-value]
+
+
+def _reports_shown() -> Callable[[], None]:
+    """Show reports as their text until the returned function is called."""
+    original = warnings.showwarning
+    ours = warnings.showwarning = _show_reports(original)
+
+    def restore() -> None:
+        if warnings.showwarning is ours:  # else someone wrapped it since: theirs stays
+            warnings.showwarning = original
+
+    return restore
+
+
 def load_ipython_extension(ip: Shell) -> None:
     """``%load_ext versionwatch``: watch everything the kernel runs from now on.
 
@@ -138,14 +174,11 @@ def load_ipython_extension(ip: Shell) -> None:
         return
     lookup = _add_lookup(ip)
     try:
-        watcher = watch_all(on_hazard=resolve_policy(DEFAULT_POLICY))
+        watcher = watch_all(on_hazard=_policy(str(resolve_policy(DEFAULT_POLICY))))
     except BaseException:
         _remove_lookup(lookup)
         raise
-    original = warnings.showwarning
-    warnings.showwarning = _show_reports(original)
-    _LOADED.update(shell=ip, watcher=watcher, lookup=lookup, showwarning=original,
-                   ours=warnings.showwarning)
+    _LOADED.update(shell=ip, watcher=watcher, lookup=lookup, restore=_reports_shown())
 
 
 def unload_ipython_extension(ip: Shell) -> None:
@@ -155,10 +188,10 @@ def unload_ipython_extension(ip: Shell) -> None:
         >>> ip.run_line_magic("unload_ext", "versionwatch")  # doctest: +SKIP
     """
     watcher, lookup = _LOADED.pop("watcher", None), _LOADED.pop("lookup", None)
-    original, ours = _LOADED.pop("showwarning", None), _LOADED.pop("ours", None)
+    restore = _LOADED.pop("restore", None)
     _LOADED.pop("shell", None)
-    if ours is not None and warnings.showwarning is ours:  # else someone wrapped it since
-        warnings.showwarning = original
+    if restore is not None:
+        restore()
     try:
         if watcher is not None:
             watcher.close()
@@ -204,7 +237,7 @@ def _cell_magic(shell: Shell, line: str, cell: str) -> None:
     """Run ``cell`` watched, as ``line``'s options say."""
     from IPython.core.error import UsageError
 
-    from versionwatch._watch import env_problem, watch_all
+    from versionwatch._watch import env_problem, resolve_policy, watch_all
 
     strict, policy = _parse(line)
     problem = env_problem()
@@ -224,10 +257,14 @@ def _cell_magic(shell: Shell, line: str, cell: str) -> None:
             return outer if names.get(filename) == inner else None
 
         CELL_LOOKUPS.insert(0, renumber)
+    restore = None if _LOADED.get("restore") is not None else _reports_shown()
     try:
-        with watch_all(on_hazard=policy, strict=strict):  # type: ignore[arg-type]
+        chosen = _policy(str(resolve_policy(policy)))  # type: ignore[arg-type]
+        with watch_all(on_hazard=chosen, strict=strict):
             shell.run_cell(cell, store_history=False)
     finally:
+        if restore is not None:
+            restore()
         if renumber is not None:
             # Reports kept from this cell go on naming it once the next cell takes `inner`.
             for filename, number in list(names.items()):  # type: ignore[union-attr]
