@@ -139,7 +139,9 @@ WATCHED = [
     "print('JSON', json.dumps([r.to_dict() for r in reports]))\n"
     "print('HTML', reports[0]._repr_html_().replace(chr(10), ' '))\n",  # In[11]
     "%unload_ext versionwatch\nprint('RESTORED', patched() == before)\n",  # In[12]
-    "%env VERSIONWATCH_ON_HAZARD=nope\n%load_ext versionwatch\n",  # In[13]
+    "%%versionwatch --on-hazard raise\nx = torch.ones(3, requires_grad=True)\n"
+    "y = x.sigmoid()\ny.mul_(2)\ny.sum().backward()\n",  # In[13]: the magic alone
+    "%env VERSIONWATCH_ON_HAZARD=nope\n%load_ext versionwatch\n",  # In[14]
 ]
 
 PLAIN = [
@@ -209,6 +211,13 @@ def test_cell_magic(runs: dict[str, list[dict[str, Any]]]) -> None:
     assert "ipykernel_" not in out, out
 
 
+def test_cell_magic_after_unload(runs: dict[str, list[dict[str, Any]]]) -> None:
+    # Only that cell is watched, raise: our error, stopped before PyTorch's backward ran.
+    out = _text(runs["watched"][12])
+    assert out.startswith("InplaceModificationError: versionwatch: backward will fail: "), out
+    assert "backward at  Cell In[13], line 4" in out, out
+
+
 def test_json_and_html_name_cells(runs: dict[str, list[dict[str, Any]]]) -> None:
     out = _text(runs["watched"][10])
     line = next(x for x in out.splitlines() if x.startswith("JSON "))
@@ -247,7 +256,7 @@ def test_docs_show_what_the_notebook_prints(runs: dict[str, list[dict[str, Any]]
 
 
 def test_bad_environment_is_one_line_at_load(runs: dict[str, list[dict[str, Any]]]) -> None:
-    out = runs["watched"][12]
+    out = runs["watched"][13]
     assert [o["output_type"] for o in out] == ["stream", "stream"], out
     assert _text(out).splitlines()[-1] == (
         "UsageError: versionwatch: VERSIONWATCH_ON_HAZARD='nope' is not a valid policy; "
