@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     )
     from versionwatch._timeline import Timeline
     from versionwatch._watch import AutoWatcher, Watcher, watch, watch_all
+    from versionwatch.integrations import load_ipython_extension, unload_ipython_extension
 
 __all__ = [
     "AutoWatcher",
@@ -42,6 +43,8 @@ __all__ = [
     "assert_backward_safe",
     "check",
     "fix",
+    "load_ipython_extension",
+    "unload_ipython_extension",
     "watch",
     "watch_all",
 ]
@@ -73,6 +76,9 @@ _WHERE = {
     "Site": "versionwatch._report",
     "Timeline": "versionwatch._timeline",
     "Watcher": "versionwatch._watch",
+    # IPython's %load_ext looks these up here; they import IPython only when called.
+    "load_ipython_extension": "versionwatch.integrations",
+    "unload_ipython_extension": "versionwatch.integrations",
     "watch": "versionwatch._watch",
 }
 

@@ -75,6 +75,8 @@ class Timeline:
                 {"event": ev.label, "kind": ev.kind,
                  "file": ev.site.file if ev.site else None,
                  "line": ev.site.line if ev.site else None,
+                 # Beside the path, a notebook cell's number (In[5]), as the reports say it.
+                 **({"cell": ev.site.cell} if ev.site and ev.site.cell is not None else {}),
                  "versions": dict(zip(self.columns, versions))}
                 for ev, versions in self.rows
             ],

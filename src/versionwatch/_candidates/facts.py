@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from versionwatch._report import Hazard, Modification, Report, Site
+from versionwatch._report import Hazard, Modification, Report, Site, cell_of
 
 Kind = Literal["inplace", "freed", "silent"]
 Use = Literal["forward", "data"]
@@ -44,7 +44,9 @@ class Line:
     code: str = ""
 
     def __str__(self) -> str:
-        return f"{shown(self.file)}:{self.line}"
+        cell = cell_of(self.file)  # a notebook cell reads as IPython writes it
+        return f"Cell In[{cell}], line {self.line}" if cell is not None \
+            else f"{shown(self.file)}:{self.line}"
 
     def to_dict(self) -> dict[str, object]:
         return {"file": self.file, "line": self.line, "code": self.code}

@@ -14,7 +14,7 @@ from versionwatch._report.model import BACKWARD_SUFFIX, Hazard, Writer
 from versionwatch._report.silent import silent_fix
 from versionwatch._report.source_lines import assigned, statement, without_comment, written_variable
 
-__all__ = ["fix_for", "op_name", "rewrite_for"]
+__all__ = ["fix_for", "op_name", "rerun_cells", "rewrite_for"]
 
 
 # Node names (less "Backward0") -> the op as the user writes it.
@@ -67,9 +67,31 @@ def _freer(h: Hazard) -> str:
     return f.description + (f" (at {f.site})" if f.site else "")
 
 
+def rerun_cells(h: Hazard) -> tuple[int, int] | None:
+    """``(backward's cell, forward's cell)``: a notebook cell's backward freed a graph
+    that another cell's forward built; else ``None``.
+
+    Running that backward cell again (or another backward of the graph) needs the
+    forward cell run again first: IPython keeps the graph in the forward's variables.
+    """
+    f = h.freed_by
+    if h.kind != "freed" or f is None or f.site is None or h.carried_by is not None \
+            or h.carrier is not None:
+        return None
+    forward = h.saved_at or (h.saved_in.site if h.saved_in is not None else None)
+    back, built = f.site.cell, forward.cell if forward is not None else None
+    if back is None or built is None or back == built:
+        return None
+    return back, built
+
+
 def _freed_fix(h: Hazard) -> str:
     c, b = h.carrier, h.between
     freer = _freer(h)
+    cells = rerun_cells(h)
+    if cells is not None:
+        return (f"re-run the forward cell In[{cells[1]}] first, or build the forward in the "
+                "same cell as the backward")
     if h.carried_by is None and c is None:
         # The same graph, backpropagated a second time.
         if b is not None and b.changes_saved:

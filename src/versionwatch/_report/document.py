@@ -32,18 +32,25 @@ def _site(site: Site | None) -> dict[str, object] | None:
     return d
 
 
+def _cell(site: Site | None) -> dict[str, object]:
+    """``{"cell": 5}`` beside a site's path when its line is in notebook cell In[5]."""
+    cell = site.cell if site is not None else None
+    return {"cell": cell} if cell is not None else {}
+
+
 def _modification(m: Modification) -> dict[str, object]:
     w = m.writer
     return {
         "kind": m.kind,
         "description": m.description,
         "file": m.site.file if m.site else None,
-        "line": m.site.line if m.site else None,
+        "line": m.site.line if m.site else None, **_cell(m.site),
         **({"versions": list(m.versions)} if m.versions else {}),
         **({"after": _event(m.bounds[0]), "before": _event(m.bounds[1])} if m.bounds else {}),
         **({"writer": {"module": w.module, "class": w.class_name or None, "repr": w.text,
                        "file": w.built_at.file if w.built_at else None,
-                       "line": w.built_at.line if w.built_at else None}} if w else {}),
+                       "line": w.built_at.line if w.built_at else None,
+                       **_cell(w.built_at)}} if w else {}),
         **({"stack": [_site(s) for s in m.stack]} if m.stack else {}),
     }
 
@@ -52,13 +59,14 @@ def _forward(f: Forward | None) -> dict[str, object] | None:
     if f is None:
         return None
     return {"forward": f.label, "file": f.site.file if f.site else None,
-            "line": f.site.line if f.site else None, "module": f.module}
+            "line": f.site.line if f.site else None, **_cell(f.site),
+            "module": f.module}
 
 
 def _event(bound: tuple[str, Site | None]) -> dict[str, object]:
     label, site = bound
     return {"event": label, "file": site.file if site else None,
-            "line": site.line if site else None}
+            "line": site.line if site else None, **_cell(site)}
 
 
 def hazard_dict(h: Hazard, forward: Forward | None) -> dict[str, object]:
@@ -78,13 +86,14 @@ def hazard_dict(h: Hazard, forward: Forward | None) -> dict[str, object]:
     f = h.freed_by
     d["freed_by"] = None if f is None else {
         "description": f.description, "file": f.site.file if f.site else None,
-        "line": f.site.line if f.site else None}
+        "line": f.site.line if f.site else None, **_cell(f.site)}
     del d["node"], d["key"], d["seq"], d["saved_in"]
     d["modified_by"] = [_modification(m) for m in h.modified_by]
     c = h.carrier
     d["carrier"] = None if c is None else {
         "name": c.name, "file": c.site.file if c.site else None,
-        "line": c.site.line if c.site else None, "code": c.site.code if c.site else None,
+        "line": c.site.line if c.site else None, **_cell(c.site),
+        "code": c.site.code if c.site else None,
         "module": c.module, "role": c.role, "fed_to": _forward(c.fed_to),
         "entered": _site(c.entered), "trained": c.trained}
     b = h.between
@@ -100,7 +109,7 @@ def repair_dict(r: Repair) -> dict[str, object]:
     """A repair's JSON fields."""
     return {"tensor": r.tensor, "bytes": r.nbytes, "graph": r.graph,
             "before": r.before, "file": r.site.file if r.site else None,
-            "line": r.site.line if r.site else None}
+            "line": r.site.line if r.site else None, **_cell(r.site)}
 
 
 def _in_report(r: Report, h: Hazard) -> dict[str, object]:
@@ -109,7 +118,7 @@ def _in_report(r: Report, h: Hazard) -> dict[str, object]:
     d = h.to_dict()
     d["backward"] = r.backward
     d["replay"] = r.replay
-    d["backward_site"] = {"file": site.file, "line": site.line} if site else None
+    d["backward_site"] = {"file": site.file, "line": site.line, **_cell(site)} if site else None
     if site and r.thread:
         d["backward_site"]["thread"] = r.thread
     return d

@@ -12,12 +12,14 @@ from __future__ import annotations
 import re
 
 from versionwatch._report import dot as _dot  # noqa: F401  (loads and registers the Graphviz renderer)
-from versionwatch._report.advice import rewrite_for
+from versionwatch._report.advice import rerun_cells, rewrite_for
 from versionwatch._report.model import (
     UNSURE_HOOKS,
     UNSURE_NONREENTRANT,
+    Fix,
     Hazard,
     Report,
+    cell_of,
     register_renderer,
 )
 from versionwatch._report.silent import gradient_facts, silent_headline
@@ -39,6 +41,10 @@ def _headline(report: Report, h: Hazard) -> str:
         return (f"versionwatch: {what} would invalidate {h.tensor or 'a tensor'}, which a live "
                 "graph saved for backward: it would be modified by an inplace operation")
     verb = "backward will fail" if h.detected == "predicted" else "backward failed"
+    ran_again = _ran_again(report, h)
+    if ran_again is not None:
+        return (f"versionwatch: {verb}: this cell ran again on the graph of In[{ran_again}], "
+                "which its earlier run's backward already freed")
     if h.kind == "freed":
         return (
             f"versionwatch: {verb}: it would backward through the graph a second time; "
@@ -50,6 +56,16 @@ def _headline(report: Report, h: Hazard) -> str:
         f"versionwatch: {verb}: {_called(h)} saved by {h.node} was "
         "modified by an inplace operation"
     )
+
+
+def _ran_again(report: Report, h: Hazard) -> int | None:
+    """The forward's cell, when this backward's notebook cell ran again on its graph."""
+    cells = rerun_cells(h)
+    site = report.backward_site
+    if cells is None or site is None or site.cell != cells[0] or h.freed_by is None \
+            or h.freed_by.site != site:
+        return None
+    return cells[1]
 
 
 def _called(h: Hazard) -> str:
@@ -120,7 +136,9 @@ def _freed_facts(h: Hazard, report: Report) -> list[tuple[str, str]]:
     f = h.freed_by
     if f is not None:
         text = f"{f.description}" + (f" at {f.site}" if f.site else "")
-        if f.site is not None and f.site == report.backward_site:
+        if _ran_again(report, h) is not None:
+            text += " (this cell's earlier run)"
+        elif f.site is not None and f.site == report.backward_site:
             text += " (this same line, in an earlier iteration)"
         text += ", which ran without retain_graph=True"
         facts.append(("freed by", text))
@@ -198,9 +216,15 @@ def fix_line(h: Hazard) -> str:
         # The summary's own head (`new code` [at file:line]:) is what this line shows.
         head = re.match(r"`[^`]*`(?: at \S+:\d+)?: ", fix.summary)
         why = fix.summary[head.end():] if head else fix.summary
-        return f"({status}) `{new}` instead of `{old}` at {fix.file}:{fix.line}: {why}"
+        return f"({status}) `{new}` instead of `{old}` at {_place(fix)}: {why}"
     said = f"{fix.file}:{fix.line}" in fix.summary or f"line {fix.line}" in fix.summary
-    return f"({status}) " + ("" if said else f"at {fix.file}:{fix.line}, ") + fix.summary
+    return f"({status}) " + ("" if said else f"at {_place(fix)}, ") + fix.summary
+
+
+def _place(fix: Fix) -> str:
+    """``file:line`` of a patch, or ``Cell In[5], line 3`` in a notebook cell."""
+    cell = cell_of(fix.file)
+    return f"Cell In[{cell}], line {fix.line}" if cell is not None else f"{fix.file}:{fix.line}"
 
 
 def _also(hazards: list[Hazard]) -> list[tuple[str, int]]:
