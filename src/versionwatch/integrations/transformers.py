@@ -48,7 +48,7 @@ _TAIL = 24
 _OPEN: weakref.WeakSet[VersionWatchCallback] = weakref.WeakSet()
 
 
-class VersionWatchCallback(TrainerCallback):  # type: ignore[misc]
+class VersionWatchCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     """Predict and explain every backward of ``trainer.train()``.
 
     The callback opens :func:`versionwatch.watch` on the model when training
