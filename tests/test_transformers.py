@@ -226,9 +226,10 @@ def test_a_failed_train_is_closed_by_the_next_one(tmp_path: Path) -> None:
         _trainer(_model(block=True), tmp_path, [callback]).train()
     first = callback.watcher
     assert first is not None and not first.closed  # Trainer has no on_exception
-    trainer = _trainer(_model(block=True, buggy=False), tmp_path, [callback])
-    trainer.train()
-    assert first.closed and callback.watcher is not first and not installed()
+    again = VersionWatchCallback()  # another callback's train() on this thread closes it
+    _trainer(_model(block=True, buggy=False), tmp_path, [again]).train()
+    assert first.closed and again.watcher is not None and again.watcher.closed
+    assert not again.watcher.reports and not installed()
 
 
 def test_bad_policy_is_refused_at_construction() -> None:

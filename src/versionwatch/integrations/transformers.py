@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import threading
 import weakref
 from typing import Any
 
@@ -69,10 +70,10 @@ class VersionWatchCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     ``trainer.train()`` line.
 
     ``Trainer`` tells callbacks nothing when ``train()`` raises, so a watcher
-    left open by a failed ``train()`` is closed by the next ``train()`` of a
-    trainer with this callback, by :meth:`close`, at the end of a ``with
-    callback:`` block, or at interpreter exit, whichever comes first. Use the
-    ``with`` block where the program goes on after a failed ``train()``.
+    left open by a failed ``train()`` is closed by the next ``train()`` on the
+    same thread with a ``VersionWatchCallback``, by :meth:`close`, at the end of
+    a ``with callback:`` block, or at interpreter exit, whichever comes first.
+    Use the ``with`` block where the program goes on after a failed ``train()``.
 
     Logging goes to the ``versionwatch`` logger: at the end of training, a
     summary and the version timeline (``WARNING`` if there were hazards, else
@@ -121,6 +122,7 @@ class VersionWatchCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self.name = name
         self.watcher: Watcher | None = None
         self._optimizer: weakref.ref[torch.optim.Optimizer] | None = None
+        self._thread: int | None = None
 
     # -- opening and closing -------------------------------------------------------------
     @property
@@ -141,10 +143,17 @@ class VersionWatchCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self.close()
 
     def _open(self, model: nn.Module, optimizer: object) -> None:
-        self.close()  # a watcher left open by a train() that raised
+        # A watcher still open here, this callback's or another's on this thread, was
+        # left by a train() that raised: train() calls do not nest.
+        here = threading.get_ident()
+        for other in list(_OPEN):
+            if other is self or other._thread == here:
+                other.close()
+        self.close()
         self._optimizer = None
         opt = _unwrap(optimizer)
         self.watcher = watch({self.name: model}, on_hazard=self.on_hazard, strict=self.strict)
+        self._thread = here
         _OPEN.add(self)
         self._add_optimizer(opt)
 
