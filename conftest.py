@@ -15,3 +15,7 @@ if importlib.util.find_spec("lightning") is None and (
 # Programs that the tests run as scripts (under versionwatch run, or patched by
 # versionwatch fix): --doctest-modules must not import, and so run, them.
 collect_ignore_glob = ["tests/explain_programs/*", "tests/fix_programs/*"]
+
+# The Hugging Face callback imports transformers (pip install -e '.[transformers]').
+if importlib.util.find_spec("transformers") is None:
+    collect_ignore.append("src/versionwatch/integrations/transformers.py")

@@ -38,6 +38,26 @@ def _env() -> dict[str, str]:
     return env
 
 
+# transformers needs torch only through its "torch" extra, so pip does not hold it back
+# for an old torch; it then turns torch off at import (``is_torch_available()`` is
+# False: no Trainer). Read from each release's ``Requires-Dist: torch>=...`` (and the
+# matching check in ``transformers/utils/import_utils.py``): 5.0-5.14 need torch>=2.2
+# or 2.4, 5.15-5.19 torch>=2.5, 5.20 and later torch>=2.6. 5.14 says 2.4 but imports
+# ``DTensor`` from ``torch.distributed.tensor`` (public in 2.5) when the model module
+# loads: 5.13.1 is the newest that trains on torch 2.4.1.
+# (torch release below which the pin applies, the pin)
+_TRANSFORMERS_PINS = (((2, 5), "transformers<5.14"), ((2, 6), "transformers<5.20"))
+
+
+def _transformers_pin(version: str) -> str:
+    """A constraint line that keeps transformers at a release that runs on this torch."""
+    release = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    for below, pin in _TRANSFORMERS_PINS:
+        if release < below:
+            return pin + "\n"
+    return ""
+
+
 def venv(version: str) -> Path:
     """The venv for ``version``, made and installed once."""
     path = ROOT / ".matrix" / f"torch-{version}"
@@ -48,7 +68,8 @@ def venv(version: str) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(path)], check=True)
     constraints = path / "constraints.txt"
     # numpy 2.3 dropped the ABI that torch < 2.5 was built against.
-    constraints.write_text(f"torch=={version}\nnumpy<2.3\n", encoding="utf-8")
+    constraints.write_text(f"torch=={version}\nnumpy<2.3\n{_transformers_pin(version)}",
+                           encoding="utf-8")
     subprocess.run(
         [str(python), "-m", "pip", "install", "-q", "-c", str(constraints), "-e", f"{ROOT}[dev]"],
         check=True, env=_env(),

@@ -47,7 +47,7 @@ _LIBRARY_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, PACK
 # Matched by where each one is imported from, not by a folder's name: a user's
 # project folder called "lightning" holds the user's own code.
 _LIBRARY_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate",
-                     "_pytest", "pluggy")
+                     "transformers", "trl", "peft", "_pytest", "pluggy")
 _LIBRARY_FILES = (os.path.abspath(contextlib.__file__),)
 # The bundled demo plays the user's part, so its lines are the ones to blame.
 _USER_FILES = (os.path.join(PACKAGE_DIR, "_cli", "demo.py"),)
