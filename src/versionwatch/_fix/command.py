@@ -40,6 +40,13 @@ from versionwatch._candidates import (
     shown,
 )
 from versionwatch._fix.apply import apply_patch
+from versionwatch._fix.notebook import (
+    Notebook,
+    NotebookError,
+    is_notebook,
+    patched_text,
+    read_notebook,
+)
 from versionwatch._fix.check import Flight, Run, judge, run_child, usable, write_scratch
 from versionwatch._fix.server import ForkServer
 from versionwatch._fix.workspace import Workspace
@@ -526,6 +533,22 @@ def not_followed(result: FixResult) -> list[str]:
     return out
 
 
+def apply_to_notebook(notebook: Notebook, candidate: Candidate, force: bool,
+                      notes: list[str]) -> str | None:
+    """``--apply`` of a patch of a notebook's cells: the cells' ``source`` strings edited
+    in the file's own text (every other byte kept), written as :func:`apply_patch`
+    writes a file (its checks, atomically); ``None`` when done, else why not."""
+    try:
+        now = read_notebook(notebook.path)  # as it is now, not as it was at the start
+        if now.text != notebook.text:
+            return f"{shown(notebook.path)} changed since the run; run versionwatch fix again"
+        text = patched_text(now, candidate.files)
+    except NotebookError as e:
+        return str(e)
+    whole = replace(candidate, files={os.path.abspath(notebook.path): (now.text, text)})
+    return apply_patch(whole, force=force, notes=notes)
+
+
 def _head(c: Candidate) -> str:
     """What a rejected candidate changes, in a few words: its summary's first clause
     (a move's old and new lines are the same text, so they would say nothing)."""
@@ -694,6 +717,16 @@ def _main(argv: Sequence[str], server: ForkServer | None, disarm: Callable[[], N
             sources["<string>"] = code
         elif program[0] not in ("-m", "-c") and not os.path.isfile(program[0]):
             raise _Usage(f"can't open file {program[0]!r}: no such file")
+        notebook = None
+        if program[0] not in ("-m", "-c") and is_notebook(program[0]):
+            try:  # its cells are the program's files, none of them on disk
+                notebook = read_notebook(program[0])
+            except NotebookError as e:
+                print(f"versionwatch fix: error: {e}", file=sys.stderr)
+                return 2
+            sources.update(notebook.sources())
+            for note in notebook.notes:
+                print(note, file=sys.stderr)
         facts = _facts_file(opts["facts"]) if opts["facts"] else None
     except _Usage as e:
         print(f"versionwatch fix: error: {e} (versionwatch fix --help)", file=sys.stderr)
@@ -707,7 +740,10 @@ def _main(argv: Sequence[str], server: ForkServer | None, disarm: Callable[[], N
     disarm()
     if opts["apply"] and result.status == "checked":
         if result.verified:
-            problem = apply_patch(result.verified[0], force=opts["force"], notes=result.notes)
+            problem = (apply_to_notebook(notebook, result.verified[0], opts["force"],
+                                         result.notes) if notebook is not None
+                       else apply_patch(result.verified[0], force=opts["force"],
+                                        notes=result.notes))
             if problem is None:
                 result.applied = result.verified[0]
                 result.exit_code = 0
