@@ -40,6 +40,7 @@ from versionwatch._candidates import (
     shown,
 )
 from versionwatch._fix.apply import apply_patch
+from versionwatch._fix.check import Flight, Run, judge, run_child, usable, write_scratch
 from versionwatch._fix.notebook import (
     Notebook,
     NotebookError,
@@ -47,7 +48,6 @@ from versionwatch._fix.notebook import (
     patched_text,
     read_notebook,
 )
-from versionwatch._fix.check import Flight, Run, judge, run_child, usable, write_scratch
 from versionwatch._fix.server import ForkServer
 from versionwatch._fix.workspace import Workspace
 from versionwatch._report import Fix, Report
@@ -137,7 +137,9 @@ def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: i
 
     Args:
         program: ``["script.py", ARGS...]``, ``["-m", "pkg.mod", ARGS...]`` or
-            ``["-c", CODE, ARGS...]``, run in the current working directory.
+            ``["-c", CODE, ARGS...]``, run in the current working directory; a
+            notebook (``["nb.ipynb"]``) runs its code cells in order, each cell one
+            of the program's files (:class:`NotebookError` if it cannot be read).
         facts: the facts to propose from (default: the strict run's report).
         check_steps: how many backwards past the failing one a check runs.
         timeout: seconds each run may take.
@@ -166,6 +168,9 @@ def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: i
     if not program or not all(isinstance(a, str) for a in program):
         raise TypeError("fix() takes the program as a list of strings: "
                         "['train.py', ARGS...], ['-m', 'pkg.mod', ...] or ['-c', CODE, ...]")
+    if program[0] not in ("-m", "-c") and is_notebook(program[0]):
+        # A notebook's cells are the program's files, none of them on disk.
+        sources = {**read_notebook(program[0]).sources(), **(sources or {})}
     workspace = Workspace.for_program(program, in_place)
     problem = workspace.plan()
     if problem is not None:
@@ -719,12 +724,11 @@ def _main(argv: Sequence[str], server: ForkServer | None, disarm: Callable[[], N
             raise _Usage(f"can't open file {program[0]!r}: no such file")
         notebook = None
         if program[0] not in ("-m", "-c") and is_notebook(program[0]):
-            try:  # its cells are the program's files, none of them on disk
+            try:  # before anything runs: a bad notebook is bad input
                 notebook = read_notebook(program[0])
             except NotebookError as e:
                 print(f"versionwatch fix: error: {e}", file=sys.stderr)
                 return 2
-            sources.update(notebook.sources())
             for note in notebook.notes:
                 print(note, file=sys.stderr)
         facts = _facts_file(opts["facts"]) if opts["facts"] else None

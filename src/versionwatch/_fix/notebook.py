@@ -34,6 +34,13 @@ _WS = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
 # A line of IPython syntax (after its indentation): a magic or a shell escape.
 _MAGIC = re.compile(r"^([ \t]*)([%!].*?)(\r\n|\n|\r)?$", re.DOTALL)
+# A line as Python ends one: \r\n, \r or \n (not str.splitlines's \f, \x1c, U+2028...).
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+def _split(text: str) -> list[str]:
+    """``text``'s lines, each with its ending, as Python numbers them."""
+    return _LINE.findall(text)
 
 
 class NotebookError(Exception):
@@ -63,7 +70,7 @@ class Cell:
     single: bool  # ``source`` is one string, not a list
 
     def lines(self) -> list[str]:
-        return self.text.splitlines(keepends=True)
+        return _split(self.text)
 
 
 @dataclass
@@ -90,7 +97,7 @@ def register_lines(filename: str, text: str, number: int) -> None:
     from versionwatch._report import register_cell
 
     # mtime None: linecache.checkcache keeps the entry, as for IPython's cells.
-    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    linecache.cache[filename] = (len(text), None, _split(text), filename)
     register_cell(filename, number)
 
 
@@ -164,7 +171,7 @@ def read_notebook(path: str, name: str | None = None) -> Notebook:
 
 def _runnable(source: str, number: int, notes: list[str]) -> str | None:
     """The cell's text as Python runs it, or ``None`` for a cell magic's cell."""
-    lines = source.splitlines(keepends=True)
+    lines = _split(source)
     first = next((ln.strip() for ln in lines if ln.strip()), "")
     out = []
     for k, line in enumerate(lines, 1):
@@ -304,8 +311,8 @@ def _cell_edits(nb: Notebook, cell: Cell, new: str, ascii_only: bool,
                 ) -> list[tuple[int, int, str]]:
     """The (start, end, text) replacements of the file's text that make ``cell`` read ``new``."""
     old_lines = cell.lines()
-    new_lines = new.splitlines(keepends=True)
-    raw_lines = "".join(cell.raw).splitlines(keepends=True)
+    new_lines = _split(new)
+    raw_lines = _split("".join(cell.raw))
     # The file's own line ending (a CRLF cell keeps CRLF); the last line keeps its none.
     eol = next((_ending(r) for r in raw_lines if _ending(r)), "\n")
     last_open = not _ending(raw_lines[-1]) if raw_lines else True
@@ -326,8 +333,12 @@ def _cell_edits(nb: Notebook, cell: Cell, new: str, ascii_only: bool,
     spans = cell.spans
     text = nb.text
     matcher = difflib.SequenceMatcher(a=old_lines, b=new_lines, autojunk=False)
-    # The separator between two literals, as the file writes it (",\n    ").
-    sep = text[spans[0][1]:spans[1][0]] if len(spans) > 1 else ",\n"
+    # The separator between two literals, as the file writes it (",\n    "): a comma
+    # and the blank before the first literal.
+    start = spans[0][0]
+    while start > 0 and text[start - 1] in " \t\r\n":
+        start -= 1
+    sep = "," + text[start:spans[0][0]]
     for op, i1, i2, j1, j2 in matcher.get_opcodes():
         if op == "equal":
             continue
@@ -369,7 +380,7 @@ def _fix_last(nb: Notebook, cell: Cell, old_lines: list[str], new_lines: list[st
         return edits
     old_last = cell.raw[-1]
     matcher = difflib.SequenceMatcher(a=old_lines, b=new_lines, autojunk=False)
-    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+    for op, i1, i2, j1, _j2 in matcher.get_opcodes():
         if op == "equal" and i1 <= len(old_lines) - 1 < i2:
             j = j1 + (len(old_lines) - 1 - i1)
             if j != len(new_lines) - 1:
@@ -382,7 +393,7 @@ def _merged(old_lines: list[str], raw_lines: list[str], new_lines: list[str],
     """The new lines as the file writes them: unchanged ones as they were."""
     out: list[str] = []
     matcher = difflib.SequenceMatcher(a=old_lines, b=new_lines, autojunk=False)
-    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+    for op, i1, _i2, j1, j2 in matcher.get_opcodes():
         for j in range(j1, j2):
             if op == "equal" and j != len(new_lines) - 1:
                 raw = raw_lines[i1 + j - j1]
