@@ -117,9 +117,10 @@ def test_cell_magic_cell_is_skipped_with_one_line(tmp_path: Path) -> None:
         ["%%bash\n", "echo hi\n", "raise SystemExit(7)"],
         "   \n",
         ["print('raw')"],
-        ["%%versionwatch --strict\n", "print('watched', x, z)\n", "1 / 0"],
+        ["%%versionwatch --strict\n", "print('watched', x, z)"],
+        ["w = 1\n", "def (:"],
     ]
-    text = notebook(cells, kinds=["code", "code", "code", "raw", "code"])
+    text = notebook(cells, kinds=["code", "code", "code", "raw", "code", "code"])
     (tmp_path / "nb.ipynb").write_text(text, encoding="utf-8")
     done = vw("run", "nb.ipynb", cwd=tmp_path)
     assert done.returncode == 1
@@ -130,9 +131,10 @@ def test_cell_magic_cell_is_skipped_with_one_line(tmp_path: Path) -> None:
         "versionwatch: skipped In[1], line 4: %time y = 2 (an IPython magic)",
         "versionwatch: skipped cell In[2]: %%bash is an IPython cell magic",
     ]
-    # The empty cell has no number: the %%versionwatch cell is In[3], its line 3 failed.
-    assert "nb.ipynb#In[3]\", line 3" in done.stderr
-    assert "ZeroDivisionError" in done.stderr
+    # The empty cell has no number: the %%versionwatch cell is In[3]. Each cell is
+    # compiled as it comes, as "Run all" runs it: In[4]'s syntax error after In[3] ran.
+    assert "nb.ipynb#In[4]\", line 2" in done.stderr
+    assert "SyntaxError" in done.stderr
 
 
 @pytest.mark.parametrize(("text", "why"), [
@@ -232,6 +234,16 @@ def test_a_single_string_source_is_one_literal(tmp_path: Path) -> None:
     assert json.loads(after)["cells"][1]["source"] == "x = 1\r\ny = x + 1\r\n"
     assert _changed(before, after) == ['-"source": "x = 1\\r\\ny = 2\\r\\n",',
                                        '+"source": "x = 1\\r\\ny = x + 1\\r\\n",']
+
+
+def test_magics_only_where_a_statement_starts(tmp_path: Path) -> None:
+    """A line that starts with `%` inside brackets or a string is Python's, kept."""
+    path = tmp_path / "nb.ipynb"
+    code = ['x = (7\n', '     % 4)\n', 's = """\n', '%not a magic\n', '"""\n', '%time y = 1']
+    path.write_text(notebook([code]), encoding="utf-8")
+    nb = read_notebook(str(path))
+    assert nb.cells[0].text == 'x = (7\n     % 4)\ns = """\n%not a magic\n"""\npass\n'
+    assert nb.notes == ["versionwatch: skipped In[1], line 6: %time y = 1 (an IPython magic)"]
 
 
 def test_a_cell_changed_since_the_run_is_refused(tmp_path: Path) -> None:

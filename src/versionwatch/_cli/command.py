@@ -13,7 +13,7 @@ import runpy
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from importlib.machinery import BuiltinImporter, SourceFileLoader
 from types import CodeType, FrameType, ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
@@ -193,13 +193,17 @@ def _run_stdin(source: bytes) -> None:
 
 
 def _run_notebook(notebook: Notebook) -> None:
-    """Run a notebook's code cells in order in one ``__main__``, each under its own name."""
+    """Run a notebook's code cells in order in one ``__main__``, each under its own name.
+
+    Each cell is compiled as it comes, as "Run all" runs it: a syntax error in one
+    cell stops the run there, after the cells before it ran.
+    """
     notebook.register()
-    codes = [compile(c.text, c.filename, "exec", dont_inherit=True) for c in notebook.cells]
+    codes = (compile(c.text, c.filename, "exec", dont_inherit=True) for c in notebook.cells)
     _exec_main(codes, os.path.abspath(notebook.path), None)
 
 
-def _exec_main(code: CodeType | list[CodeType], file: str, loader: Any) -> None:
+def _exec_main(code: CodeType | Iterable[CodeType], file: str, loader: Any) -> None:
     """Run ``code`` in a fresh ``__main__`` module, as the interpreter makes its own."""
     main = ModuleType("__main__")  # __name__, __doc__, __package__, __loader__, __spec__
     main.__loader__ = loader
@@ -211,7 +215,7 @@ def _exec_main(code: CodeType | list[CodeType], file: str, loader: Any) -> None:
     main.__dict__.update(first, __builtins__=builtins, __file__=file, __cached__=None)
     sys.modules["__main__"] = main
     try:
-        for one in code if isinstance(code, list) else [code]:  # a notebook's cells
+        for one in [code] if isinstance(code, CodeType) else code:  # a notebook's cells
             exec(one, main.__dict__)
     finally:
         if saved is None:

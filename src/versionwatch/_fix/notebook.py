@@ -21,10 +21,12 @@ literals come from a small scanner over the text (:func:`_walk`), never from a
 from __future__ import annotations
 
 import difflib
+import io
 import json
 import linecache
 import os
 import re
+import tokenize
 from dataclasses import dataclass, field
 from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
@@ -173,10 +175,11 @@ def _runnable(source: str, number: int, notes: list[str]) -> str | None:
     """The cell's text as Python runs it, or ``None`` for a cell magic's cell."""
     lines = _split(source)
     first = next((ln.strip() for ln in lines if ln.strip()), "")
-    out = []
+    out: list[str] = []
     for k, line in enumerate(lines, 1):
         m = _MAGIC.match(line)
-        if m is None:
+        # Only where a statement starts: `% b)` inside brackets is Python's modulo.
+        if m is None or not _statement_starts("".join(out)):
             out.append(line.rstrip("\r\n") + "\n")
             continue
         magic = m.group(2).rstrip()
@@ -191,6 +194,18 @@ def _runnable(source: str, number: int, notes: list[str]) -> str | None:
             notes.append(f"versionwatch: skipped In[{number}], line {k}: {magic} ({what})")
         out.append(f"{m.group(1)}pass\n")
     return "".join(out)
+
+
+def _statement_starts(before: str) -> bool:
+    """Whether a statement starts after ``before`` (no bracket, string or ``\\`` open)."""
+    if not before:
+        return True
+    try:
+        for _ in tokenize.generate_tokens(io.StringIO(before).readline):
+            pass
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    return True
 
 
 # -- the file's text ------------------------------------------------------------------
@@ -261,7 +276,8 @@ def _ascii_only(nb: Notebook) -> bool:
             literal = nb.text[a:b]
             if any(ord(ch) > 127 for ch in raw):
                 return literal.isascii()
-    return False
+    # No such line in the code: the rest of the file says (nbformat writes it as is).
+    return nb.text.isascii() and re.search(r"\\u(?!00[0-7])[0-9a-fA-F]{4}", nb.text) is not None
 
 
 def _literal(value: str, ascii_only: bool) -> str:
