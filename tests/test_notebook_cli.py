@@ -93,12 +93,15 @@ def server() -> Iterator[ForkServer]:
 
 def test_run_names_the_cells_and_json_has_them(tmp_path: Path) -> None:
     (tmp_path / "seed.ipynb").write_text(notebook([SETUP, MODEL, LOOP]), encoding="utf-8")
-    done = vw("run", "--strict", "--json", "r.json", "seed.ipynb", cwd=tmp_path)
+    # --replay: the strict run's lines, read back from its report, name cells too.
+    done = vw("run", "--replay", "--json", "r.json", "seed.ipynb", cwd=tmp_path)
     assert done.returncode == 1, done.stderr
     err = done.stderr
     # The step of cell 3's line 6 changed what cell 2's line 10 saved; backward at line 9.
-    assert "modified by  SGD.step() #3 at Cell In[3], line 6: optim.step()" in err
-    assert "at Cell In[2], line 10: return s * self.w2, s * self.w3" in err
+    assert "modified by  SGD.step() #3 at Cell In[3], line 6" in err
+    assert "backward at  Cell In[3], line 9" in err
+    assert ("saved by     MulBackward0.other at Cell In[2], line 10: "
+            "return s * self.w2, s * self.w3") in err
     assert 'File "' in err and "seed.ipynb#In[3]\", line 9" in err  # Python's own traceback
     assert "NameError" not in err
     # One line for the magic, none for %load_ext versionwatch (the run is watched).

@@ -89,9 +89,21 @@ class Notebook:
         return {c.filename: c.text for c in self.cells}
 
     def register(self) -> None:
-        """Each cell's lines in ``linecache`` and its number for reports."""
+        """Each cell's lines in ``linecache`` and its number for reports.
+
+        Also by any spelling of a cell's name: a report read back from JSON (``--replay``'s
+        strict run) names it relative to the working directory.
+        """
+        from versionwatch._report import CELL_LOOKUPS
+
+        numbers = {c.filename: c.number for c in self.cells}
         for c in self.cells:
             register_lines(c.filename, c.text, c.number)
+
+        def lookup(filename: str) -> int | None:
+            return numbers.get(os.path.realpath(filename)) if "#In[" in filename else None
+
+        CELL_LOOKUPS.append(lookup)
 
 
 def register_lines(filename: str, text: str, number: int) -> None:
