@@ -255,3 +255,34 @@ def test_a_cell_changed_since_the_run_is_refused(tmp_path: Path) -> None:
     nb = read_notebook(str(path))
     with pytest.raises(NotebookError, match=r"cell In\[1\] of nb.ipynb changed since the run"):
         patched_text(nb, {nb.cells[0].filename: ("a = 0\nb = 2\n", "a = 1\n")})
+
+
+def test_apply_keeps_the_guarantees_of_a_script(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--apply`` writes a notebook as it writes a script: a read-only one refused
+    without --force (and still read-only after it), every hard link of it patched."""
+    import stat
+
+    from versionwatch._candidates.shared import Candidate
+    from versionwatch._fix.command import apply_to_notebook
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "nb.ipynb"
+    path.write_text(notebook([["a = 1\n", "b = 2"]]), encoding="utf-8")
+    os.link(path, tmp_path / "other.ipynb")
+    before = path.read_bytes()
+    nb = read_notebook("nb.ipynb")
+    cell = nb.cells[0]
+    patch = Candidate("out_of_place", "", {cell.filename: (cell.text, "a = 1\nb = 3\n")})
+    path.chmod(stat.S_IRUSR)
+    notes: list[str] = []
+    assert apply_to_notebook(nb, patch, False, notes) == \
+        "nb.ipynb is read-only; --force writes it anyway"
+    assert path.read_bytes() == before
+    assert apply_to_notebook(nb, patch, True, notes) is None
+    want = before.replace(b'"b = 2"', b'"b = 3"')
+    assert path.read_bytes() == want == (tmp_path / "other.ipynb").read_bytes()
+    assert not path.stat().st_mode & stat.S_IWUSR
+    assert any("hard links" in n for n in notes)
+    # Now that the file holds the patch, the same patch is refused: the cell changed.
+    assert "changed since the run" in (apply_to_notebook(nb, patch, True, []) or "")
