@@ -93,12 +93,11 @@ def server() -> Iterator[ForkServer]:
 
 def test_run_names_the_cells_and_json_has_them(tmp_path: Path) -> None:
     (tmp_path / "seed.ipynb").write_text(notebook([SETUP, MODEL, LOOP]), encoding="utf-8")
-    # --replay: the strict run's lines, read back from its report, name cells too.
-    done = vw("run", "--replay", "--json", "r.json", "seed.ipynb", cwd=tmp_path)
+    done = vw("run", "--strict", "--json", "r.json", "seed.ipynb", cwd=tmp_path)
     assert done.returncode == 1, done.stderr
     err = done.stderr
     # The step of cell 3's line 6 changed what cell 2's line 10 saved; backward at line 9.
-    assert "modified by  SGD.step() #3 at Cell In[3], line 6" in err
+    assert "modified by  SGD.step() #3 at Cell In[3], line 6: optim.step()" in err
     assert "backward at  Cell In[3], line 9" in err
     assert ("saved by     MulBackward0.other at Cell In[2], line 10: "
             "return s * self.w2, s * self.w3") in err
@@ -247,6 +246,28 @@ def test_magics_only_where_a_statement_starts(tmp_path: Path) -> None:
     nb = read_notebook(str(path))
     assert nb.cells[0].text == 'x = (7\n     % 4)\ns = """\n%not a magic\n"""\npass\n'
     assert nb.notes == ["versionwatch: skipped In[1], line 6: %time y = 1 (an IPython magic)"]
+
+
+def test_a_cell_is_found_by_any_spelling_of_its_name(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report read back from JSON (``--replay``'s strict run) names a cell relative to
+    the working directory: it still reads ``Cell In[2], line 1``."""
+    from versionwatch._report import CELL_LOOKUPS, Site
+    from versionwatch._report.model import CELLS
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nb.ipynb").write_text(notebook([["a = 1"], ["b = 2"]]), encoding="utf-8")
+    nb = read_notebook("nb.ipynb")
+    lookups, cells = list(CELL_LOOKUPS), dict(CELLS)
+    try:
+        nb.register()
+        assert str(Site("nb.ipynb#In[2]", 1)).startswith("Cell In[2], line 1")
+        assert str(Site(str(tmp_path / "nb.ipynb#In[1]"), 1)).startswith("Cell In[1], line 1")
+        assert str(Site("other.py", 1)).startswith("other.py:1")
+    finally:
+        CELL_LOOKUPS[:] = lookups
+        CELLS.clear()
+        CELLS.update(cells)
 
 
 def test_a_cell_changed_since_the_run_is_refused(tmp_path: Path) -> None:

@@ -361,12 +361,15 @@ def _cell_edits(nb: Notebook, cell: Cell, new: str, ascii_only: bool,
     spans = cell.spans
     text = nb.text
     matcher = difflib.SequenceMatcher(a=old_lines, b=new_lines, autojunk=False)
-    # The separator between two literals, as the file writes it (",\n    "): a comma
-    # and the blank before the first literal.
-    start = spans[0][0]
-    while start > 0 and text[start - 1] in " \t\r\n":
-        start -= 1
-    sep = "," + text[start:spans[0][0]]
+    # The separator between two literals, as the file writes it (",\n    "); with one
+    # literal, a comma and the blank before it.
+    if len(spans) > 1:
+        sep = text[spans[0][1]:spans[1][0]]
+    else:
+        start = spans[0][0]
+        while start > 0 and text[start - 1] in " \t\r\n":
+            start -= 1
+        sep = "," + text[start:spans[0][0]]
     for op, i1, i2, j1, j2 in matcher.get_opcodes():
         if op == "equal":
             continue
@@ -392,15 +395,14 @@ def _cell_edits(nb: Notebook, cell: Cell, new: str, ascii_only: bool,
             else:
                 pos = spans[0][0]
                 edits.append((pos, pos, "".join(m + sep for m in extra)))
-    # The old last line, if it had no ending and lines now follow it, needs one.
     return _fix_last(nb, cell, old_lines, new_lines, edits, ascii_only, eol, last_open)
 
 
 def _fix_last(nb: Notebook, cell: Cell, old_lines: list[str], new_lines: list[str],
               edits: list[tuple[int, int, str]], ascii_only: bool, eol: str,
               last_open: bool) -> list[tuple[int, int, str]]:
-    """An old last line kept as it was but no longer last gets its ending (and the
-    reverse): its literal rewritten, unless an edit already covers it."""
+    """The old last line, written without an ending, kept but no longer last: its
+    literal gets the ending (unless an edit already rewrote or removed it)."""
     if not (last_open and cell.spans):
         return edits
     a, b = cell.spans[-1]
@@ -425,7 +427,7 @@ def _merged(old_lines: list[str], raw_lines: list[str], new_lines: list[str],
         for j in range(j1, j2):
             if op == "equal" and j != len(new_lines) - 1:
                 raw = raw_lines[i1 + j - j1]
-                out.append(raw if _ending(raw) else written(j, new_lines[j]))
+                out.append(raw if _ending(raw) else written(j, raw))
             elif op == "equal":
                 out.append(written(j, raw_lines[i1 + j - j1]))
             else:
