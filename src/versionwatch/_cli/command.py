@@ -13,13 +13,14 @@ import runpy
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from importlib.machinery import BuiltinImporter, SourceFileLoader
 from types import CodeType, FrameType, ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from versionwatch._cli.outputs import write_file, write_outputs
 from versionwatch._cli.sigterm import TermGuard, threads_left
+from versionwatch._fix import Notebook, NotebookError, is_notebook, read_notebook
 from versionwatch._package import PACKAGE_DIR
 from versionwatch._watch import POLICIES
 
@@ -252,7 +253,18 @@ def _run_stdin(source: bytes) -> None:
     _exec_main(code, "<stdin>", BuiltinImporter)
 
 
-def _exec_main(code: CodeType, file: str, loader: Any) -> None:
+def _run_notebook(notebook: Notebook) -> None:
+    """Run a notebook's code cells in order in one ``__main__``, each under its own name.
+
+    Each cell is compiled as it comes, as "Run all" runs it: a syntax error in one
+    cell stops the run there, after the cells before it ran.
+    """
+    notebook.register()
+    codes = (compile(c.text, c.filename, "exec", dont_inherit=True) for c in notebook.cells)
+    _exec_main(codes, os.path.abspath(notebook.path), None)
+
+
+def _exec_main(code: CodeType | Iterable[CodeType], file: str, loader: Any) -> None:
     """Run ``code`` in a fresh ``__main__`` module, as the interpreter makes its own."""
     main = ModuleType("__main__")  # __name__, __doc__, __package__, __loader__, __spec__
     main.__loader__ = loader
@@ -264,7 +276,8 @@ def _exec_main(code: CodeType, file: str, loader: Any) -> None:
     main.__dict__.update(first, __builtins__=builtins, __file__=file, __cached__=None)
     sys.modules["__main__"] = main
     try:
-        exec(code, main.__dict__)
+        for one in [code] if isinstance(code, CodeType) else code:  # a notebook's cells
+            exec(one, main.__dict__)
     finally:
         if saved is None:
             del sys.modules["__main__"]
@@ -289,6 +302,13 @@ def _run(args: argparse.Namespace) -> int:
     if not args.module and not stdin and not os.path.exists(argv[0]):
         print(f"versionwatch run: can't open file {argv[0]!r}: no such file", file=sys.stderr)
         return 2
+    notebook = None
+    if not args.module and not stdin and is_notebook(argv[0]):
+        try:  # before anything runs: a bad notebook is bad input
+            notebook = read_notebook(argv[0])
+        except NotebookError as e:
+            print(f"versionwatch run: error: {e}", file=sys.stderr)
+            return 2
     if args.fingerprint and not (args.strict or args.stop_at_write):
         print("versionwatch run: --fingerprint needs strict mode: add --strict", file=sys.stderr)
         return 2
@@ -340,6 +360,10 @@ def _run(args: argparse.Namespace) -> int:
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
         elif stdin:
             _run_stdin(args.source)
+        elif notebook is not None:
+            for note in notebook.notes:
+                print(note, file=sys.stderr)
+            _run_notebook(notebook)
         else:
             _run_script(argv[0])
     except ReplayStop as stop:

@@ -3,7 +3,8 @@
 It owns the command and its result (``command``: ``fix``, ``FixResult``), writing a
 verified patch to the user's files (``apply``), running a patched program and
 judging what it did (``check``), the child process that runs the program or a
-patched copy (``child``) and the fork server that imports torch once (``server``).
+patched copy (``child``), the fork server that imports torch once (``server``) and a
+notebook file as the program, its cells edited in place (``notebook``).
 The candidates themselves come from ``_candidates``.
 """
 
@@ -18,6 +19,10 @@ if TYPE_CHECKING:
     from versionwatch._fix.command import fix as fix
     from versionwatch._fix.command import main as main
     from versionwatch._fix.command import unchecked as unchecked
+    from versionwatch._fix.notebook import Notebook as Notebook
+    from versionwatch._fix.notebook import NotebookError as NotebookError
+    from versionwatch._fix.notebook import is_notebook as is_notebook
+    from versionwatch._fix.notebook import read_notebook as read_notebook
     from versionwatch._fix.server import ForkServer as ForkServer
 
 _WHERE = {
@@ -25,6 +30,10 @@ _WHERE = {
     "FixResult": "versionwatch._fix.command",
     "ForkServer": "versionwatch._fix.server",
     "main": "versionwatch._fix.command",
+    "Notebook": "versionwatch._fix.notebook",
+    "NotebookError": "versionwatch._fix.notebook",
+    "is_notebook": "versionwatch._fix.notebook",
+    "read_notebook": "versionwatch._fix.notebook",
     "unchecked": "versionwatch._fix.command",
 }
 

@@ -988,19 +988,42 @@ def _run_checkpoints_plainly() -> None:
     ckpt.checkpoint = checkpoint
 
 
+def _notebook_codes(filename: str, original: str, scratch: dict[str, str]) -> list[Any]:
+    """A notebook's cells, each compiled under its cell name (the user's notebook's), or
+    from its patched scratch copy, registered as that cell."""
+    from versionwatch._fix.notebook import read_notebook, register_lines
+
+    codes = []
+    for cell in read_notebook(filename, name=original).cells:
+        source = scratch.get(os.path.realpath(cell.filename))
+        if source is None:
+            register_lines(cell.filename, cell.text, cell.number)
+            codes.append(compile(cell.text, cell.filename, "exec", dont_inherit=True))
+            continue
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+        register_lines(source, text, cell.number)
+        codes.append(compile(text, source, "exec", dont_inherit=True))
+    return codes
+
+
 def _run_main(argv0: str, scratch: dict[str, str]) -> None:
     filename = os.path.join(os.getcwd(), argv0)
     original = MIRROR.original(filename)
     source = scratch.get(original)
-    # The code names the user's file (or the patched scratch copy, whose lines the
-    # record maps back); ``__file__`` is the run's copy, where its writes stay.
-    with open(source or filename, "rb") as f:
-        code = compile(f.read(), source or original, "exec", dont_inherit=True)
+    if argv0.lower().endswith(".ipynb"):
+        codes = _notebook_codes(filename, original, scratch)
+    else:
+        # The code names the user's file (or the patched scratch copy, whose lines the
+        # record maps back); ``__file__`` is the run's copy, where its writes stay.
+        with open(source or filename, "rb") as f:
+            codes = [compile(f.read(), source or original, "exec", dont_inherit=True)]
     main = ModuleType("__main__")
     main.__dict__.update(__file__=filename, __cached__=None, __package__=None, __spec__=None,
                          __builtins__=__builtins__)
     sys.modules["__main__"] = main
-    exec(code, main.__dict__)
+    for code in codes:
+        exec(code, main.__dict__)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -42,6 +42,13 @@ from versionwatch._candidates import (
 )
 from versionwatch._fix.apply import apply_patch
 from versionwatch._fix.check import Flight, Run, judge, run_child, usable, write_scratch
+from versionwatch._fix.notebook import (
+    Notebook,
+    NotebookError,
+    is_notebook,
+    patched_text,
+    read_notebook,
+)
 from versionwatch._fix.server import ForkServer
 from versionwatch._fix.workspace import Workspace
 from versionwatch._report import Fix, Report
@@ -131,7 +138,9 @@ def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: i
 
     Args:
         program: ``["script.py", ARGS...]``, ``["-m", "pkg.mod", ARGS...]`` or
-            ``["-c", CODE, ARGS...]``, run in the current working directory.
+            ``["-c", CODE, ARGS...]``, run in the current working directory; a
+            notebook (``["nb.ipynb"]``) runs its code cells in order, each cell one
+            of the program's files (:class:`NotebookError` if it cannot be read).
         facts: the facts to propose from (default: the strict run's report).
         check_steps: how many backwards past the failing one a check runs.
         timeout: seconds each run may take.
@@ -160,6 +169,9 @@ def fix(program: Sequence[str], *, facts: FixFacts | None = None, check_steps: i
     if not program or not all(isinstance(a, str) for a in program):
         raise TypeError("fix() takes the program as a list of strings: "
                         "['train.py', ARGS...], ['-m', 'pkg.mod', ...] or ['-c', CODE, ...]")
+    if program[0] not in ("-m", "-c") and is_notebook(program[0]):
+        # A notebook's cells are the program's files, none of them on disk.
+        sources = {**read_notebook(program[0]).sources(), **(sources or {})}
     workspace = Workspace.for_program(program, in_place)
     problem = workspace.plan()
     if problem is not None:
@@ -527,6 +539,22 @@ def not_followed(result: FixResult) -> list[str]:
     return out
 
 
+def apply_to_notebook(notebook: Notebook, candidate: Candidate, force: bool,
+                      notes: list[str]) -> str | None:
+    """``--apply`` of a patch of a notebook's cells: the cells' ``source`` strings edited
+    in the file's own text (every other byte kept), written as :func:`apply_patch`
+    writes a file (its checks, atomically); ``None`` when done, else why not."""
+    try:
+        now = read_notebook(notebook.path)  # as it is now, not as it was at the start
+        if now.text != notebook.text:
+            return f"{shown(notebook.path)} changed since the run; run versionwatch fix again"
+        text = patched_text(now, candidate.files)
+    except NotebookError as e:
+        return str(e)
+    whole = replace(candidate, files={os.path.abspath(notebook.path): (now.text, text)})
+    return apply_patch(whole, force=force, notes=notes)
+
+
 def _head(c: Candidate) -> str:
     """What a rejected candidate changes, in a few words: its summary's first clause
     (a move's old and new lines are the same text, so they would say nothing)."""
@@ -752,6 +780,15 @@ def _main(argv: Sequence[str], server: ForkServer | None, disarm: Callable[[], N
             sources["<string>"] = code
         elif program[0] not in ("-m", "-c") and not os.path.isfile(program[0]):
             raise _Usage(f"can't open file {program[0]!r}: no such file")
+        notebook = None
+        if program[0] not in ("-m", "-c") and is_notebook(program[0]):
+            try:  # before anything runs: a bad notebook is bad input
+                notebook = read_notebook(program[0])
+            except NotebookError as e:
+                print(f"versionwatch fix: error: {e}", file=sys.stderr)
+                return 2
+            for note in notebook.notes:
+                print(note, file=sys.stderr)
         facts = _facts_file(opts["facts"]) if opts["facts"] else None
     except _Usage as e:
         print(f"versionwatch fix: error: {e} (versionwatch fix --help)", file=sys.stderr)
@@ -765,7 +802,10 @@ def _main(argv: Sequence[str], server: ForkServer | None, disarm: Callable[[], N
     disarm()
     if opts["apply"] and result.status == "checked":
         if result.verified:
-            problem = apply_patch(result.verified[0], force=opts["force"], notes=result.notes)
+            problem = (apply_to_notebook(notebook, result.verified[0], opts["force"],
+                                         result.notes) if notebook is not None
+                       else apply_patch(result.verified[0], force=opts["force"],
+                                        notes=result.notes))
             if problem is None:
                 result.applied = result.verified[0]
                 result.exit_code = 0
