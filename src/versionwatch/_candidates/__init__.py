@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from versionwatch._candidates.facts import Line as Line
     from versionwatch._candidates.facts import from_report as from_report
     from versionwatch._candidates.facts import shown as shown
+    from versionwatch._candidates.facts import shown_at as shown_at
     from versionwatch._candidates.shared import Candidate as Candidate
     from versionwatch._candidates.shared import Sources as Sources
     from versionwatch._candidates.shared import backward_after as backward_after
@@ -37,6 +38,7 @@ _WHERE = {
     "line_map": "versionwatch._candidates.source",
     "propose": "versionwatch._candidates.edits",
     "shown": "versionwatch._candidates.facts",
+    "shown_at": "versionwatch._candidates.facts",
     "Sources": "versionwatch._candidates.shared",
 }
 

@@ -44,9 +44,7 @@ class Line:
     code: str = ""
 
     def __str__(self) -> str:
-        cell = cell_of(self.file)  # a notebook cell reads as IPython writes it
-        return f"Cell In[{cell}], line {self.line}" if cell is not None \
-            else f"{shown(self.file)}:{self.line}"
+        return shown_at(self.file, self.line)  # a notebook cell as IPython writes it
 
     def to_dict(self) -> dict[str, object]:
         return {"file": self.file, "line": self.line, "code": self.code}
@@ -66,6 +64,12 @@ def shown(file: str, base: str | None = None) -> str:
     except (OSError, ValueError):
         return file
     return file if rel.startswith("..") else rel
+
+
+def shown_at(file: str, line: int) -> str:
+    """``file:line`` as the fix output shows it; a notebook cell as ``Cell In[3], line 9``."""
+    cell = cell_of(file)
+    return f"Cell In[{cell}], line {line}" if cell is not None else f"{shown(file)}:{line}"
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from versionwatch._candidates import Candidate, decode_source, line_map, shown
+from versionwatch._candidates import Candidate, decode_source, line_map, shown_at
 from versionwatch._fix.server import GRACE, ForkServer
 from versionwatch._fix.workspace import Run as Place
 from versionwatch._process import end, environment, python_module, start, terminate, wait
@@ -330,7 +330,7 @@ def _at(site: list[Any] | None, lines: dict[str, dict[int, int]]) -> str:
     real = os.path.realpath(file)
     if patched and real in lines:
         line = lines[real].get(line, line)
-    return f"{shown(file)}:{line}"
+    return shown_at(file, line)
 
 
 def _one_iteration(original: Run, failing: int) -> dict[str, int]:

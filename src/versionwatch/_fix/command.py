@@ -39,6 +39,7 @@ from versionwatch._candidates import (
     backward_after,
     propose,
     shown,
+    shown_at,
 )
 from versionwatch._fix.apply import apply_patch
 from versionwatch._fix.check import Flight, Run, judge, run_child, usable, write_scratch
@@ -457,7 +458,7 @@ def render(result: FixResult) -> str:
         what = original.error if original and original.error else "an error"
         where = ""
         if original and original.error_site:
-            where = f" at {shown(original.error_site[0])}:{original.error_site[1]}"
+            where = f" at {shown_at(original.error_site[0], original.error_site[1])}"
         if original and original.status in ("exited", "died"):
             what = f"exit status {original.exit}"
         if original and original.status == "timeout":
@@ -468,7 +469,7 @@ def render(result: FixResult) -> str:
     head = (original.text.splitlines()[0] if original and original.text else "").removeprefix(
         "versionwatch: ")
     rec = original.record(result.failing) if original else None
-    at = f" at {shown(rec['site'][0])}:{rec['site'][1]}" if rec and rec.get("site") else ""
+    at = f" at {shown_at(rec['site'][0], rec['site'][1])}" if rec and rec.get("site") else ""
     if result.asked_at is not None:
         at += f" (found before it ran, at {result.asked_at})"
     out.append(f"versionwatch fix: backward #{result.failing}{at}: {head}")
@@ -503,7 +504,7 @@ def render(result: FixResult) -> str:
         out.append("")
         out.append("rejected:")
         for c in rejected:
-            out.append(f"  {c.family} at {shown(c.file)}:{c.line}: {_head(c)}")
+            out.append(f"  {c.family} at {shown_at(c.file, c.line)}: {_head(c)}")
             out.append(f"    {c.why}")
     if result.applied is not None:
         out.append("")
@@ -789,6 +790,7 @@ def _main(argv: Sequence[str], server: ForkServer | None, disarm: Callable[[], N
                 return 2
             for note in notebook.notes:
                 print(note, file=sys.stderr)
+            notebook.register()  # this process's output names cells too
         facts = _facts_file(opts["facts"]) if opts["facts"] else None
     except _Usage as e:
         print(f"versionwatch fix: error: {e} (versionwatch fix --help)", file=sys.stderr)
