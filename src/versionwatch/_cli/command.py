@@ -497,8 +497,23 @@ def _summary(watcher: AutoWatcher, err: BaseException | None) -> None:
         from versionwatch._report import unverified_summary
 
         unsure = unverified_summary(watcher._backward_pipeline.unverified)
-        print(f"versionwatch: {watcher.backward_count} backward(s) watched, no hazard{unsure}",
+        repaired = _repaired(watcher)
+        left = f"{repaired}, no hazard left" if repaired else "no hazard"
+        print(f"versionwatch: {watcher.backward_count} backward(s) watched, {left}{unsure}",
               file=sys.stderr)
+
+
+def _repaired(watcher: AutoWatcher) -> str:
+    """``--on-hazard repair``: what it repaired, as the summary says it, else ``""``."""
+    if watcher.repairer is None or not watcher.repairer.count:
+        return ""
+    from versionwatch._report import size
+
+    done = watcher.repair_summary()
+    # The kept repairs (the latest 1000) name the graphs: all of them, below that.
+    graphs = len({r.graph for r in watcher.repairs})
+    which = f"{graphs} graph(s) repaired" if done["repairs"] <= 1000 else "repaired"
+    return f"{which} ({done['repairs']} copies, {size(done['copied_bytes'])} copied)"
 
 
 def _split_run(argv: Sequence[str], parser: argparse.ArgumentParser,
