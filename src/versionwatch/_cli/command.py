@@ -401,7 +401,7 @@ class _Session:
         The first run's outputs are written first, so that they are there whatever
         happens to the replay.
         """
-        from versionwatch._cli.replay import Child, merge, target
+        from versionwatch._cli.replay import Child, merge, replayed, target
 
         args = self.args
         report = target(list(self.watcher.reports))
@@ -423,8 +423,10 @@ class _Session:
         finally:
             self.waiting = False
         with self.guard.lock:
+            # The program's error printed the report already: then only what the replay adds.
+            before = str(report) if getattr(self.err, "report", None) is report else None
             if merge(report, found, why):
-                print(report, file=sys.stderr)
+                print(report if before is None else replayed(before, report), file=sys.stderr)
             else:
                 print(f"versionwatch: --replay: {report.replay}", file=sys.stderr)
 
