@@ -237,8 +237,8 @@ def _fix_test(item: pytest.Item, err: BaseException) -> str:
             lines.append("no patch was verified: no candidate patch fits this failure"
                          + (f"; the report's fix: {fix}" if fix else ""))
         elif not result.verified:
-            lines.append(f"no patch was verified: {len(result.candidates)} candidate(s), "
-                         "none trains as the test does:")
+            lines.append(f"no patch was verified: none of {len(result.candidates)} "
+                         "candidate patch(es) trains as the test does:")
             lines += [f"  {c.family} at {shown(c.file)}:{c.line}: {c.why}"
                       for c in result.candidates]
         else:
