@@ -68,8 +68,8 @@ def test_in_an_ipython_shell_the_hint_names_the_cell_magic(
     monkeypatch.delenv("PYTEST_CURRENT_TEST")
     assert place() == "cli"
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path))  # its profile, not the user's
-    from traitlets.config import Config
     from IPython.terminal.interactiveshell import TerminalInteractiveShell
+    from traitlets.config import Config
 
     config = Config()
     config.HistoryManager.enabled = False
@@ -168,7 +168,7 @@ def test_a_root_called_directly_keeps_its_labels() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1))
     with versionwatch.watch(model) as w:
         model(torch.ones(1, 2)).sum().backward()
-    assert [e["event"] for e in w.timeline().to_dict()["events"]][0] == "forward #1"
+    assert next(e["event"] for e in w.timeline().to_dict()["events"]) == "forward #1"
 
 
 # -- pytest's failure text ---------------------------------------------------------------

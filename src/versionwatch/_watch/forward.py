@@ -38,6 +38,7 @@ from versionwatch._runtime import (
     Change,
     Patch,
     Registry,
+    Removable,
     Subscription,
     anchor,
     remove_all,
@@ -143,7 +144,7 @@ def _add_members(container: nn.Module, watcher: ForwardWatcher, name: str) -> Su
     Only a container that cannot be called gets them: a root called directly
     (the usual case) routes its own calls alone, and its members cost nothing.
     """
-    held: list[Subscription] = []
+    held: list[Removable] = []
     try:
         for key, member in container.named_children():
             route = f"{name}.{key}"

@@ -172,7 +172,8 @@ def _shorten(item: pytest.Item, excinfo: pytest.ExceptionInfo[BaseException],
     import os
 
     torch = sys.modules.get("torch")
-    if torch is None or item.config.getoption("tbstyle", "auto") != "auto" \
+    if torch is None or torch.__file__ is None \
+            or item.config.getoption("tbstyle", "auto") != "auto" \
             or item.config.getoption("fulltrace", False):
         return
     library = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -233,9 +234,9 @@ def _fix_test(item: pytest.Item, err: BaseException) -> str:
             lines.append(f"no patch: {said}")
         elif not result.candidates:
             # No edit of the test's code fits this failure: the report's advice stands.
-            fix = _advice(err, result)
+            advice = _advice(err, result)
             lines.append("no patch was verified: no candidate patch fits this failure"
-                         + (f"; the report's fix: {fix}" if fix else ""))
+                         + (f"; the report's fix: {advice}" if advice else ""))
         elif not result.verified:
             lines.append(f"no patch was verified: none of {len(result.candidates)} "
                          "candidate patch(es) trains as the test does:")
