@@ -10,6 +10,10 @@
   own error) gets ``versionwatch fix``'s best verified patch in its report: the
   test is run again as ``python -m pytest NODEID`` with each patch (docs/fix.md).
 
+A failure versionwatch raised shows the test's own lines and the explanation, not
+torch's frames (``--tb=short`` style; an explicit ``--tb`` or ``--full-trace`` is
+left as asked), and a report's hint names ``--versionwatch-strict``.
+
 This module imports neither torch nor versionwatch at pytest start-up; only a
 test that is watched pays for the import.
 """
