@@ -284,3 +284,20 @@ def test_replay_reproduces_with_the_lightning_callback(
     h = json.loads((tmp_path / "out.json").read_text())["hazards"][0]
     assert "same hazard at backward #2" in h["replay"]
     assert h["saved_at"]["line"] == 23  # d_fake = self.discriminator(fake)
+
+
+def test_fix_option_without_a_candidate_gives_the_reports_own_fix() -> None:
+    """``--versionwatch-fix`` where no candidate patch fits: the report's fix, not nothing."""
+    from versionwatch.integrations.pytest_plugin import _advice
+
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with versionwatch.watch(model, opt) as w:
+        loss = (model(torch.ones(1, 2)) * model.weight).sum()
+        loss.backward(retain_graph=True)
+        opt.step()
+        with pytest.raises(versionwatch.InplaceModificationError) as caught:
+            loss.backward()
+    (report,) = w.reports
+    assert _advice(caught.value, None) == report.first.fix != ""
+    assert _advice(RuntimeError("one of the variables ..."), None) == ""
