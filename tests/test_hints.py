@@ -284,6 +284,8 @@ def test_replay_reproduces_with_the_lightning_callback(
     h = json.loads((tmp_path / "out.json").read_text())["hazards"][0]
     assert "same hazard at backward #2" in h["replay"]
     assert h["saved_at"]["line"] == 23  # d_fake = self.discriminator(fake)
+    assert h["module"] == "model.discriminator.2"  # the callback's names, in strict mode
+    assert [(m["kind"], m["line"]) for m in h["modified_by"]] == [("optimizer.step", 27)]
 
 
 def test_fix_option_without_a_candidate_gives_the_reports_own_fix() -> None:

@@ -124,12 +124,13 @@ class VersionWatch(pl.Callback):
             if isinstance(opt, torch.optim.Optimizer)
             and any(id(p) in params for g in opt.param_groups for p in g["params"])
         ]
-        outer = current()
-        self.watcher = watch({self.name: pl_module}, *optimizers, on_hazard=self.on_hazard)
         # `versionwatch run --replay`'s child: this watcher, the innermost, numbers and
         # predicts the fit's backwards (as it did in the first run), so it is the one to
-        # stop at the replayed backward; else it raised there and the replay saw no report.
-        replay_at = getattr(outer, "replay_at", None)
+        # stop at the replayed backward (else it raised there, and the replay saw no
+        # report), in strict mode as the child's own watcher, to name the lines.
+        replay_at = getattr(current(), "replay_at", None)
+        self.watcher = watch({self.name: pl_module}, *optimizers, on_hazard=self.on_hazard,
+                             strict=replay_at is not None)
         if replay_at is not None:
             self.watcher.replay_at = replay_at
         self._open = True
