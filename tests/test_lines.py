@@ -151,6 +151,8 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureF
     """
     key = (src, options)
     if key not in _RUNS:
+        # As from a shell: under pytest's own variable a hint names pytest's option.
+        monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
         monkeypatch.chdir(tmp_path)
         (tmp_path / "prog.py").write_text(src)
         status = main(["run", *options, "--json", "out.json", "prog.py"])

@@ -486,7 +486,7 @@ class _Session:
         The first run's outputs are written first, so that they are there whatever
         happens to the replay.
         """
-        from versionwatch._cli.replay import Child, merge, target
+        from versionwatch._cli.replay import Child, merge, replayed, target
 
         args = self.args
         report = target(list(self.watcher.reports))
@@ -508,8 +508,10 @@ class _Session:
         finally:
             self.waiting = False
         with self.guard.lock:
+            # The program's error printed the report already: then only what the replay adds.
+            before = str(report) if getattr(self.err, "report", None) is report else None
             if merge(report, found, why):
-                print(report, file=sys.stderr)
+                print(report if before is None else replayed(before, report), file=sys.stderr)
             else:
                 print(f"versionwatch: --replay: {report.replay}", file=sys.stderr)
 
@@ -582,8 +584,23 @@ def _summary(watcher: AutoWatcher, err: BaseException | None) -> None:
         from versionwatch._report import unverified_summary
 
         unsure = unverified_summary(watcher._backward_pipeline.unverified)
-        print(f"versionwatch: {watcher.backward_count} backward(s) watched, no hazard{unsure}",
+        repaired = _repaired(watcher)
+        left = f"{repaired}, no hazard left" if repaired else "no hazard"
+        print(f"versionwatch: {watcher.backward_count} backward(s) watched, {left}{unsure}",
               file=sys.stderr)
+
+
+def _repaired(watcher: AutoWatcher) -> str:
+    """``--on-hazard repair``: what it repaired, as the summary says it, else ``""``."""
+    if watcher.repairer is None or not watcher.repairer.count:
+        return ""
+    from versionwatch._report import size
+
+    done = watcher.repair_summary()
+    # The kept repairs (the latest 1000) name the graphs: all of them, below that.
+    graphs = len({r.graph for r in watcher.repairs})
+    which = f"{graphs} graph(s) repaired" if done["repairs"] <= 1000 else "repaired"
+    return f"{which} ({done['repairs']} copies, {size(done['copied_bytes'])} copied)"
 
 
 def _split_run(argv: Sequence[str], parser: argparse.ArgumentParser,

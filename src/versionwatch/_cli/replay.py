@@ -31,7 +31,16 @@ from versionwatch._process import (
     terminate,
     wait,
 )
-from versionwatch._report import Fix, Hazard, Modification, Report, Site, Writer, fix_for
+from versionwatch._report import (
+    Fix,
+    Hazard,
+    Modification,
+    Report,
+    Site,
+    Writer,
+    fix_for,
+    strict_hint,
+)
 
 # The child's own option, N:PARENT:DEATH_FD:REPORT_FD: stop at backward N, write the
 # report to REPORT_FD, die when DEATH_FD (a pipe from PARENT) closes.
@@ -383,6 +392,21 @@ def merge(report: Report, child: dict[str, Any] | None, why: str) -> bool:
     return True
 
 
+def replayed(before: str, report: Report) -> str:
+    """What the replay adds to a report printed already (``before``, its text then).
+
+    The program's own error printed the report; the replay's lines are the facts
+    that changed (the saving op's line, the write's code, a fix made concrete),
+    under one line that says where they come from: the report is printed once.
+    """
+    old = set(before.splitlines())
+    lines = [ln for ln in str(report).splitlines()[1:]
+             if ln not in old and not ln.lstrip().startswith("replay ")]
+    head = (f"versionwatch: --replay: the strict replay met the same hazard at backward "
+            f"#{report.backward}; its lines for the report above:")
+    return "\n".join([head, *lines])
+
+
 def _fill(h: Hazard, c: dict[str, Any]) -> None:
     """The same hazard: strict mode's lines (and facts) are this run's."""
     h.saved_at = _site(c.get("saved_at")) or h.saved_at
@@ -411,8 +435,9 @@ def _fill(h: Hazard, c: dict[str, Any]) -> None:
     # Facts only strict mode knows.
     h.variable = h.variable or c.get("variable")
     h.compiled_forward = h.compiled_forward or _site(c.get("compiled_forward"))
-    # The hints that point at --replay: it ran.
-    h.notes = [note for note in h.notes if "`versionwatch run --replay ...`" not in note]
+    # The hints that point at strict mode (--replay, or the place's own option): it ran.
+    hints = [strict_hint(where) for where in ("cli", "pytest", "notebook")]
+    h.notes = [note for note in h.notes if not any(hint in note for hint in hints)]
     h.fix = fix_for(h)  # the lines may make it concrete (the write's own line, its module)
     if c.get("fixes"):  # the replay's candidates, made from its lines
         h.fixes = [Fix(**f) for f in c["fixes"]]

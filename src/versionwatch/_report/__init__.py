@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from versionwatch._report import document as document
 from versionwatch._report import text as text
-from versionwatch._report.advice import fix_for, op_name
+from versionwatch._report.advice import fix_for, op_name, place, strict_hint
 from versionwatch._report.document import SCHEMA, report_dict
 from versionwatch._report.errors import (
     FreedGraphError,
@@ -83,11 +83,13 @@ __all__ = [
     "fix_for",
     "gradient_consumer",
     "op_name",
+    "place",
     "register_cell",
     "relative_path",
     "render_report",
     "report_dict",
     "silent_fix",
     "size",
+    "strict_hint",
     "unverified_summary",
 ]

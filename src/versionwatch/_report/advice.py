@@ -8,13 +8,15 @@ the report, never the other way round.
 from __future__ import annotations
 
 import ast
+import os
 import re
+import sys
 
 from versionwatch._report.model import BACKWARD_SUFFIX, Hazard, Writer
 from versionwatch._report.silent import silent_fix
 from versionwatch._report.source_lines import assigned, statement, without_comment, written_variable
 
-__all__ = ["fix_for", "op_name", "rerun_cells", "rewrite_for"]
+__all__ = ["fix_for", "op_name", "place", "rerun_cells", "rewrite_for", "strict_hint"]
 
 
 # Node names (less "Backward0") -> the op as the user writes it.
@@ -30,6 +32,51 @@ _OPS = {
     "CheckpointFunction": "checkpoint",
 }
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+
+# A notebook's kernel, or IPython in a terminal: where ``%%versionwatch`` is a magic.
+_SHELLS = ("ZMQInteractiveShell", "TerminalInteractiveShell")
+
+
+def place() -> str:
+    """Where the program runs, for a hint to name the option that works there.
+
+    ``"pytest"`` while pytest runs a test (it sets ``PYTEST_CURRENT_TEST``, also
+    for the plugin's tests), ``"notebook"`` in an IPython shell, else ``"cli"``.
+    Cheap, and it imports nothing: IPython is only looked at if already loaded.
+
+    >>> place() in ("pytest", "notebook", "cli")
+    True
+    """
+    # A child process inherits the variable; pytest itself is then not loaded.
+    if os.environ.get("PYTEST_CURRENT_TEST") and "pytest" in sys.modules:
+        return "pytest"
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    if callable(get_ipython):
+        try:
+            shell = get_ipython()
+        except Exception:  # an IPython half torn down: no shell to name
+            shell = None
+        if type(shell).__name__ in _SHELLS:
+            return "notebook"
+    return "cli"
+
+
+# The place -> the command that re-runs in strict mode, which names the line.
+_STRICT_HINTS = {
+    "pytest": "`pytest --versionwatch-strict` (or @pytest.mark.versionwatch(strict=True))",
+    "notebook": "`%%versionwatch --strict` on the cell (or watch(..., strict=True))",
+    "cli": "`versionwatch run --replay ...` (or --strict, or watch(..., strict=True))",
+}
+
+
+def strict_hint(where: str | None = None) -> str:
+    """The strict-mode option of the place the program runs in (:func:`place`).
+
+    >>> strict_hint("pytest")
+    '`pytest --versionwatch-strict` (or @pytest.mark.versionwatch(strict=True))'
+    """
+    return _STRICT_HINTS[where or place()]
 
 
 def op_name(node_or_producer: str) -> str:

@@ -20,6 +20,7 @@ from versionwatch._package import lazy_names
 if TYPE_CHECKING:
     from versionwatch._report import Report
     from versionwatch._runtime import Registry
+    from versionwatch._watch.active import current as current
     from versionwatch._watch.auto import AutoWatcher as AutoWatcher
     from versionwatch._watch.auto import watch_all as watch_all
     from versionwatch._watch.backward import ReplayStop as ReplayStop
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "AutoWatcher": "versionwatch._watch.auto",
+    "current": "versionwatch._watch.active",
     "env_problem": "versionwatch._watch.policy",
     "POLICIES": "versionwatch._watch.policy",
     "Policy": "versionwatch._watch.policy",

@@ -35,6 +35,7 @@ from versionwatch._report import (
     add_note,
     fix_for,
     render_report,
+    strict_hint,
 )
 from versionwatch._sites import site_at, user_frame
 from versionwatch._torch_messages import VERSION_RE as _VERSION_RE
@@ -48,16 +49,13 @@ _W = TypeVar("_W", bound="Blamed")
 logger = logging.getLogger("versionwatch")
 
 # Default mode sees events, not ops: a write to an activation (or any tensor
-# it does not track) between two events has no line it could name.
-_UNSEEN_WRITE = (
-    "default mode sees forwards, backwards, steps and zero_grad, not the write itself: "
-    "`versionwatch run --replay ...` (or --strict, or watch(..., strict=True)) names its line"
-)
+# it does not track) between two events has no line it could name. The hint's
+# command is the place's own (pytest, notebook, command line): _report.strict_hint.
+_UNSEEN_WRITE = ("default mode sees forwards, backwards, steps and zero_grad, not the write "
+                 "itself: {} names its line")
 # The writes are events it saw (a step); the op that saved the tensor is not.
-_UNSEEN_SAVE = (
-    "default mode sees the forward, not the op in it that saved the tensor: "
-    "`versionwatch run --replay ...` (or --strict, or watch(..., strict=True)) names its line"
-)
+_UNSEEN_SAVE = ("default mode sees the forward, not the op in it that saved the tensor: "
+                "{} names its line")
 
 
 def explain(w: _W, report: Report, scope: Sequence[_W]) -> _W:
@@ -74,6 +72,7 @@ def explain(w: _W, report: Report, scope: Sequence[_W]) -> _W:
     here = threading.current_thread().name
     elsewhere = next((s.strict_thread for s in scope
                       if s.strict_thread not in (None, here)), None)
+    hint = strict_hint() if not w.strict else ""  # the place, decided once per report
     for h in report.hazards:
         if h.key is None and not SAVED_INTROSPECTION:
             _match_ledger(h, scope)
@@ -95,9 +94,9 @@ def explain(w: _W, report: Report, scope: Sequence[_W]) -> _W:
             h.compiled_forward = compiled_forward(h, scope)
         if not w.strict and h.kind == "inplace":
             if all(m.kind == "between_events" for m in h.modified_by):
-                h.notes.append(_UNSEEN_WRITE)
+                h.notes.append(_UNSEEN_WRITE.format(hint))
             elif h.saved_at is None:
-                h.notes.append(_UNSEEN_SAVE)
+                h.notes.append(_UNSEEN_SAVE.format(hint))
         h.fix = fix_for(h)
     suggest(report)
     owner = tracker(report.hazards[0].key if report.hazards else None)

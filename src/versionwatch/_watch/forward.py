@@ -23,6 +23,7 @@ call and a dict lookup, and it leaves ``_call_impl`` as it is, so
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
@@ -32,7 +33,16 @@ from torch import nn
 
 from versionwatch._compat import COMPILER_FLAG_OWNER, is_compiling, is_tracing
 from versionwatch._functorch import functorch_level
-from versionwatch._runtime import Anchor, Change, Patch, Registry, Subscription, anchor
+from versionwatch._runtime import (
+    Anchor,
+    Change,
+    Patch,
+    Registry,
+    Removable,
+    Subscription,
+    anchor,
+    remove_all,
+)
 
 if TYPE_CHECKING:
     from versionwatch._watch.protocols import Adopter, ForwardWatcher
@@ -97,7 +107,13 @@ def _adopters_changed(live: list[Adopter]) -> None:
 
 
 def add_root(module: nn.Module, watcher: ForwardWatcher, name: str) -> Subscription:
-    """Call ``watcher._on_forward(name, ...)`` around every call of ``module``."""
+    """Call ``watcher._on_forward(name, ...)`` around every call of ``module``.
+
+    A container with no forward of its own (``nn.ModuleDict``, ``nn.ModuleList``)
+    is never called: its members are, each a root of its own, as ``name.key``.
+    """
+    if type(module).forward is nn.Module.forward:
+        return _add_members(module, watcher, name)
     place = _route_on(type(module)).subscribe()
     route: Route | None = None
 
@@ -120,6 +136,25 @@ def add_root(module: nn.Module, watcher: ForwardWatcher, name: str) -> Subscript
             place.remove()
 
     return Subscription(remove)
+
+
+def _add_members(container: nn.Module, watcher: ForwardWatcher, name: str) -> Subscription:
+    """Routes for a container's members, called directly (``models["D"](x)``).
+
+    Only a container that cannot be called gets them: a root called directly
+    (the usual case) routes its own calls alone, and its members cost nothing.
+    """
+    held: list[Removable] = []
+    try:
+        for key, member in container.named_children():
+            route = f"{name}.{key}"
+            watcher.forwards.setdefault(route, 0)
+            watcher.counters.setdefault(route, itertools.count(1))
+            held.append(add_root(member, watcher, route))
+    except BaseException:
+        remove_all(held)
+        raise
+    return Subscription(lambda: remove_all(held))
 
 
 def add_adopter(watcher: Adopter) -> Subscription:

@@ -67,7 +67,9 @@ class ForwardRecorder:
 
     def label(self, root: str, n: int) -> str:
         """``forward #3``, or ``G.forward #3`` when the watcher has more than one root."""
-        if len(self.roots) == 1 and not self.named:
+        # A member of a container root (``models.D``, :func:`_forward.add_root`) is
+        # named even with one root: its container is never called.
+        if len(self.roots) == 1 and not self.named and root in self.roots:
             return f"forward #{n}"
         return f"{root}.forward #{n}"
 

@@ -10,6 +10,10 @@
   own error) gets ``versionwatch fix``'s best verified patch in its report: the
   test is run again as ``python -m pytest NODEID`` with each patch (docs/fix.md).
 
+A failure versionwatch raised shows the test's own lines and the explanation, not
+torch's frames (``--tb=short`` style; an explicit ``--tb`` or ``--full-trace`` is
+left as asked), and a report's hint names ``--versionwatch-strict``.
+
 This module imports neither torch nor versionwatch at pytest start-up; only a
 test that is watched pays for the import.
 """
@@ -17,10 +21,12 @@ test that is watched pays for the import.
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Generator
 from typing import TYPE_CHECKING, NoReturn, cast
 
 import pytest
+from _pytest._code import Traceback
 
 from versionwatch._watch import POLICIES, Policy, env_problem
 
@@ -152,10 +158,49 @@ def versionwatch_fixture(request: pytest.FixtureRequest) -> AutoWatcher:
 _SENTENCES = ("modified by an inplace operation", "backward through the graph a second time")
 
 
+def _ours(err: BaseException) -> bool:
+    """A failure versionwatch raised (a predicted hazard), not PyTorch's or the test's."""
+    return type(err).__module__.split(".")[0] == "versionwatch" and hasattr(err, "report")
+
+
+def _shorten(item: pytest.Item, excinfo: pytest.ExceptionInfo[BaseException],
+             report: pytest.TestReport) -> None:
+    """Our failure: the test's own lines and our explanation, not torch's frames.
+
+    Our frames hide themselves (``__tracebackhide__``); the frames of torch between
+    the test's last line and our raise (``Tensor.backward``'s source and docstring,
+    some 60 lines) are cut here, and the test's lines are shown short (where, and
+    the line), as pytest's ``--tb=short`` does: the report says the rest. An
+    explicit ``--tb`` or ``--full-trace`` is left as asked.
+    """
+    import os
+
+    torch = sys.modules.get("torch")
+    if torch is None or torch.__file__ is None \
+            or item.config.getoption("tbstyle", "auto") != "auto" \
+            or item.config.getoption("fulltrace", False):
+        return
+    library = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    entries = [e for e in excinfo.traceback if not e.ishidden(excinfo)]
+    first = next((i for i, e in enumerate(entries) if str(e.path) == str(item.path)), None)
+    last = max((i for i, e in enumerate(entries) if not str(e.path).startswith(library)),
+               default=None)
+    if first is None or last is None or last < first:
+        return
+    kept = Traceback(entries[first:last + 1])
+    try:
+        moved = os.getcwd() != str(item.config.invocation_params.dir)
+    except OSError:
+        moved = True
+    report.longrepr = excinfo.getrepr(style="short", abspath=moved, tbfilter=lambda _: kept)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None],
                               ) -> Generator[None, pluggy.Result[pytest.TestReport], None]:
     outcome = yield
+    if call.excinfo is not None and _ours(call.excinfo.value):
+        _shorten(item, call.excinfo, outcome.get_result())
     if not item.config.getoption("versionwatch_fix") or call.when != "call" \
             or call.excinfo is None:
         return
@@ -191,8 +236,14 @@ def _fix_test(item: pytest.Item, err: BaseException) -> str:
             said = (result.notes[0] if result.status == "too_big" and result.notes
                     else f"the test, run again, gave {result.status.replace('_', ' ')}")
             lines.append(f"no patch: {said}")
+        elif not result.candidates:
+            # No edit of the test's code fits this failure: the report's advice stands.
+            advice = _advice(err, result)
+            lines.append("no patch was verified: no candidate patch fits this failure"
+                         + (f"; the report's fix: {advice}" if advice else ""))
         elif not result.verified:
-            lines.append("no patch was verified:")
+            lines.append(f"no patch was verified: none of {len(result.candidates)} "
+                         "candidate patch(es) trains as the test does:")
             lines += [f"  {c.family} at {shown(c.file)}:{c.line}: {c.why}"
                       for c in result.candidates]
         else:
@@ -208,3 +259,12 @@ def _fix_test(item: pytest.Item, err: BaseException) -> str:
     if own is not None and own.hazards and result.report is not None and result.report.hazards:
         own.hazards[0].fixes = result.report.hazards[0].fixes  # for whoever reads the error
     return "\n".join(lines)
+
+
+def _advice(err: BaseException, result: object) -> str:
+    """The fix the failure's report gives, for a failure no patch fits; ``""`` if none."""
+    for report in (getattr(err, "report", None), getattr(result, "report", None)):
+        hazards = getattr(report, "hazards", None)
+        if hazards and hazards[0].fix:
+            return str(hazards[0].fix)
+    return ""
