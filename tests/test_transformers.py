@@ -235,3 +235,51 @@ def test_a_failed_train_is_closed_by_the_next_one(tmp_path: Path) -> None:
 def test_bad_policy_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="not a valid policy"):
         VersionWatchCallback(on_hazard="explode")  # type: ignore[arg-type]
+
+
+REPLAYED = '''\
+import torch
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+from versionwatch.integrations.transformers import VersionWatchCallback
+
+transformers.logging.set_verbosity_error()
+
+
+class SigmoidMLP(GPT2MLP):
+    def forward(self, hidden_states):
+        h = torch.sigmoid(self.c_fc(hidden_states))
+        h.mul_(2)  # the bug: sigmoid saved h
+        return self.dropout(self.c_proj(h))
+
+
+torch.manual_seed(0)
+config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32,
+                    bos_token_id=0, eos_token_id=0)
+model = GPT2LMHeadModel(config)
+model.transformer.h[1].mlp = SigmoidMLP(4 * 32, config)
+data = [{"input_ids": torch.arange(16) % 64, "labels": torch.arange(16) % 64}] * 4
+args = TrainingArguments(output_dir="out", max_steps=2, per_device_train_batch_size=2,
+                         report_to=[], save_strategy="no", logging_strategy="no",
+                         disable_tqdm=True, seed=0, {cpu}=True)
+Trainer(model=model, args=args, train_dataset=data, callbacks=[VersionWatchCallback()]).train()
+'''
+
+
+def test_replay_reproduces_with_the_callback_and_names_the_write(tmp_path: Path) -> None:
+    """The callback's watcher, opened inside `--replay`'s strict child, stops at the
+    replayed backward as the child's own watcher would: the write's line is named."""
+    import subprocess
+    import sys
+
+    cpu = "use_cpu" if "use_cpu" in inspect.signature(TrainingArguments).parameters else "no_cuda"
+    (tmp_path / "train.py").write_text(REPLAYED.replace("{cpu}", cpu), encoding="utf-8")
+    src = str(Path(versionwatch.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": src, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    out = subprocess.run([sys.executable, "-m", "versionwatch", "run", "--replay", "train.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert "the strict replay met the same hazard at backward #1" in out.stderr, out.stderr
+    assert "modified by  mul_() at train.py:13: h.mul_(2)" in out.stderr, out.stderr
+    assert out.stderr.count("backward will fail") == 1, out.stderr

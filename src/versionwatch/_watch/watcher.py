@@ -39,7 +39,7 @@ from versionwatch._strict import SavedRecord
 from versionwatch._timeline import Timeline, of_ledger
 from versionwatch._watch import blame as _blame
 from versionwatch._watch import forward as _forward
-from versionwatch._watch.active import ACTIVE, LOCK, thread_stack
+from versionwatch._watch.active import ACTIVE, LOCK, current, thread_stack
 from versionwatch._watch.backward import BackwardPipeline
 from versionwatch._watch.forward_events import ForwardRecorder
 from versionwatch._watch.intercept import PATCHES
@@ -523,5 +523,16 @@ def watch(
             "watch() takes an nn.Module or a non-empty dict of named modules; "
             f"got {type(modules).__name__}"
         )
-    return Watcher(named, optimizers, on_hazard, strict=strict, stop_at_write=stop_at_write,
-                   repair_budget=repair_budget, fingerprint=fingerprint)
+    # `versionwatch run --replay`'s child: a watcher the program opens (a training
+    # library's callback, the program's own watch()) is the innermost, so it numbers
+    # and predicts the backwards as it did in the first run: it is the one to stop at
+    # the replayed backward (else it raised there and the replay saw no report), in
+    # strict mode as the child's own watcher, to name the lines.
+    outer = current()
+    replay_at = getattr(outer, "replay_at", None) if outer is not None else None
+    w = Watcher(named, optimizers, on_hazard, strict=strict or replay_at is not None,
+                stop_at_write=stop_at_write, repair_budget=repair_budget,
+                fingerprint=fingerprint)
+    if replay_at is not None:
+        w.replay_at = replay_at
+    return w

@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
 from versionwatch._report import FreedGraphError, InplaceModificationError, Report, Site
 from versionwatch._sites import _short
 from versionwatch._timeline import Timeline
-from versionwatch._watch import Policy, Watcher, current, resolve_policy, watch
+from versionwatch._watch import Policy, Watcher, resolve_policy, watch
 
 __all__ = ["VersionWatch"]
 
@@ -124,15 +124,8 @@ class VersionWatch(pl.Callback):
             if isinstance(opt, torch.optim.Optimizer)
             and any(id(p) in params for g in opt.param_groups for p in g["params"])
         ]
-        # `versionwatch run --replay`'s child: this watcher, the innermost, numbers and
-        # predicts the fit's backwards (as it did in the first run), so it is the one to
-        # stop at the replayed backward (else it raised there, and the replay saw no
-        # report), in strict mode as the child's own watcher, to name the lines.
-        replay_at = getattr(current(), "replay_at", None)
-        self.watcher = watch({self.name: pl_module}, *optimizers, on_hazard=self.on_hazard,
-                             strict=replay_at is not None)
-        if replay_at is not None:
-            self.watcher.replay_at = replay_at
+        # Under `versionwatch run --replay`, watch() itself stops at the replayed backward.
+        self.watcher = watch({self.name: pl_module}, *optimizers, on_hazard=self.on_hazard)
         self._open = True
         self._steps = 0
         self._step_site = _definition_site(type(pl_module).training_step)
