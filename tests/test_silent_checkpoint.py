@@ -449,7 +449,8 @@ def test_default_mode_names_checkpointed_slots() -> None:
     if SEEN:
         assert str(report) == (
             "versionwatch: backward is safe: 13 nodes, 0 saved tensors checked, 7 saved "
-            "tensors inside checkpoint(use_reentrant=False) not verified: --strict checks them")
+            "tensors inside checkpoint(use_reentrant=False) not verified: "
+            "pytest --versionwatch-strict checks them")
     else:
         assert str(report).endswith(", 7 not verifiable (behind saved_tensors_hooks)")
     with versionwatch.watch(model) as w:
@@ -459,7 +460,7 @@ def test_default_mode_names_checkpointed_slots() -> None:
     summary = unverified_summary(w._backward_pipeline.unverified)
     if SEEN:
         assert summary == ("; 14 saved tensors inside checkpoint(use_reentrant=False) not "
-                           "verified (in 2 of them): --strict checks them")
+                           "verified (in 2 of them): pytest --versionwatch-strict checks them")
     else:
         assert summary == "; 14 saved tensors not verified (in 2 of them: 14 behind " \
                           "saved_tensors_hooks)"
@@ -565,8 +566,9 @@ def test_lightning_summary_is_not_a_bare_no_hazard(caplog: pytest.LogCaptureFixt
     [rec] = [r for r in caplog.records if r.name == "versionwatch"]
     assert rec.getMessage().startswith(
         "versionwatch: fit ended; 1 backward(s) predicted, no hazard; 7 saved tensors "
-        + ("inside checkpoint(use_reentrant=False) not verified (in 1 of them): --strict "
-           "checks them; the latest events:" if SEEN else "not verified"))
+        + ("inside checkpoint(use_reentrant=False) not verified (in 1 of them): "
+           "VersionWatch(strict=True) checks them; the latest events:" if SEEN
+           else "not verified"))
 
 
 @pytest.mark.parametrize("act", ["sigmoid", "tanh"])

@@ -358,7 +358,7 @@ def test_checkpoint_counts_what_it_cannot_verify(reentrant: bool) -> None:
     if not reentrant and (CHECKPOINT_SLOTS_SHOWN or CHECKPOINT_HOLDER_PEEKED):
         assert str(report).endswith(
             f", {len(expected)} saved tensors inside checkpoint(use_reentrant=False) not "
-            "verified: --strict checks them")
+            "verified: pytest --versionwatch-strict checks them")
     else:
         assert str(report).endswith(f", {len(expected)} not verifiable ({why})")
     with save_on_cpu():

@@ -16,7 +16,8 @@ from versionwatch._report.model import BACKWARD_SUFFIX, Hazard, Writer
 from versionwatch._report.silent import silent_fix
 from versionwatch._report.source_lines import assigned, statement, without_comment, written_variable
 
-__all__ = ["fix_for", "op_name", "place", "rerun_cells", "rewrite_for", "strict_hint"]
+__all__ = ["fix_for", "op_name", "place", "rerun_cells", "rewrite_for", "strict_hint",
+           "strict_option"]
 
 
 # Node names (less "Backward0") -> the op as the user writes it.
@@ -68,6 +69,23 @@ _STRICT_HINTS = {
     "notebook": "`%%versionwatch --strict` on the cell (or watch(..., strict=True))",
     "cli": "`versionwatch run --replay ...` (or --strict, or watch(..., strict=True))",
 }
+
+
+# The place -> its option for strict mode, in a fact line ("... not verified: X checks them").
+_STRICT_OPTIONS = {
+    "pytest": "pytest --versionwatch-strict",
+    "notebook": "%%versionwatch --strict",
+    "cli": "--strict",
+}
+
+
+def strict_option(where: str | None = None) -> str:
+    """The short strict-mode option of the place the program runs in (:func:`place`).
+
+    >>> strict_option("notebook")
+    '%%versionwatch --strict'
+    """
+    return _STRICT_OPTIONS[where or place()]
 
 
 def strict_hint(where: str | None = None) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from versionwatch._report import dot as _dot  # noqa: F401  (loads and registers the Graphviz renderer)
-from versionwatch._report.advice import rerun_cells, rewrite_for
+from versionwatch._report.advice import rerun_cells, rewrite_for, strict_option
 from versionwatch._report.model import (
     UNSURE_HOOKS,
     UNSURE_NONREENTRANT,
@@ -261,7 +261,7 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
             why = _unsure_why(report)
             if why == UNSURE_NONREENTRANT:
                 text += (f", {len(report.unverifiable)} saved tensors {UNSURE_NONREENTRANT} "
-                         "not verified: --strict checks them")
+                         f"not verified: {strict_option()} checks them")
             else:
                 text += f", {len(report.unverifiable)} not verifiable ({why})"
         return text
@@ -299,7 +299,7 @@ def render_report(report: Report, *, torch_message: bool = True) -> str:
             f"  note: {len(report.unverifiable)} saved tensors are behind saved_tensors_hooks "
             "and were not verified" if why == UNSURE_HOOKS
             else f"  note: {len(report.unverifiable)} saved tensors {why} not verified: "
-            "--strict checks them" if why == UNSURE_NONREENTRANT
+            f"{strict_option()} checks them" if why == UNSURE_NONREENTRANT
             else f"  note: {len(report.unverifiable)} not verified ({why})")
     return "\n".join(lines)
 
@@ -315,11 +315,13 @@ def _unsure_why(report: Report) -> str:
     return "; ".join(f"{n} {why}" for why, n in counts.items())
 
 
-def unverified_summary(unverified: dict[str, int]) -> str:
+def unverified_summary(unverified: dict[str, int], option: str | None = None) -> str:
     """What a clean run's closing line adds for saved tensors it did not verify, or "".
 
     ``unverified``: why -> how many saved tensors, summed over the backwards,
-    and ``""`` -> how many backwards had some (a watcher's tally).
+    and ``""`` -> how many backwards had some (a watcher's tally). ``option``: what
+    turns strict mode on where the summary is read (a callback's ``strict=True``);
+    by default the option of the place the program runs in.
     """
     counts = {why: n for why, n in unverified.items() if why}
     if not counts:
@@ -328,7 +330,7 @@ def unverified_summary(unverified: dict[str, int]) -> str:
     of = f"in {unverified.get('', 0)} of them"
     if list(counts) == [UNSURE_NONREENTRANT]:
         return (f"; {total} saved tensors {UNSURE_NONREENTRANT} not verified ({of}): "
-                "--strict checks them")
+                f"{option or strict_option()} checks them")
     why = "; ".join(f"{n} {w}" for w, n in counts.items())
     return f"; {total} saved tensors not verified ({of}: {why})"
 

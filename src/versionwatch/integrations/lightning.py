@@ -264,7 +264,8 @@ class VersionWatch(pl.Callback):
             # Not a bare "no hazard" where some saved tensors were not verified.
             from versionwatch._report import unverified_summary
 
-            unsure = unverified_summary(w._backward_pipeline.unverified)
+            unsure = unverified_summary(w._backward_pipeline.unverified,
+                                        "VersionWatch(strict=True)")
             logger.info(
                 "versionwatch: fit ended; %d backward(s) predicted, no hazard%s; "
                 "the latest events:\n%s", backwards, unsure, tail,

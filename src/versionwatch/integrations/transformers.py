@@ -206,7 +206,8 @@ class VersionWatchCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             t = w.timeline()
             tail = Timeline(t.columns, t.rows[-_TAIL:], t.saved)
             # Not a bare "no hazard" where some saved tensors were not verified.
-            unsure = unverified_summary(w._backward_pipeline.unverified)
+            unsure = unverified_summary(w._backward_pipeline.unverified,
+                                        "VersionWatchCallback(strict=True)")
             logger.info(
                 "versionwatch: train ended; %d backward(s) predicted, no hazard%s; "
                 "the latest events:\n%s", backwards, unsure, tail,
