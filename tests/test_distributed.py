@@ -370,7 +370,7 @@ def _doc(rank: int, status: int, hazards: list[dict[str, Any]],
 def test_merge_agreement_and_disagreement(tmp_path: Path) -> None:
     hazard = {"kind": "inplace", "tensor": "m.w", "saved_by": "MulBackward0", "slot": "other",
               "backward_site": {"file": "t.py", "line": 3},
-              "modified_by": [{"description": "SGD.step() #1"}]}
+              "modified_by": [{"description": "opt.step() #1"}]}
     paths = []
     for r in range(2):
         path = tmp_path / f"r{r}.json"
@@ -454,7 +454,7 @@ def test_merge_wrong_typed_fields_name_the_file_and_the_field(tmp_path: Path) ->
     """Issue #23, item 8: a wrong-typed field is bad input (one line, exit 2), not a crash."""
     hazard = {"kind": "inplace", "tensor": "m.w", "saved_by": "MulBackward0", "slot": "other",
               "backward_site": {"file": "t.py", "line": 3},
-              "modified_by": [{"description": "SGD.step() #1"}]}
+              "modified_by": [{"description": "opt.step() #1"}]}
     good = _doc(1, 1, [hazard], {"m.w": 2})
     (tmp_path / "r0.json").write_text(json.dumps(_doc(0, 1, [hazard], {"m.w": 2})))
     path = tmp_path / "r1.json"
