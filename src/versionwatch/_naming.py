@@ -156,12 +156,14 @@ def optimizer_names(opt: torch.optim.Optimizer, frame: FrameType | None,
                     library: Callable[[str], bool]) -> Iterator[str]:
     """The user's names for ``opt`` (``opt_d``, ``self.critic_opt``), best first.
 
-    From ``frame`` up, in each frame outside the libraries (``library(filename)``
-    says which): its locals, then its ``self``'s attributes (as ``self.name``),
-    then its globals; names that start with ``_`` are skipped. Within a frame,
-    the names its current line mentions come first (``opt.step()`` of
-    ``opt = opt_d``), then the order of the scopes: deterministic for a program.
-    Called once per optimizer, never per step: it reads whole namespaces.
+    The frames from ``frame`` up that lie outside the libraries (``library(filename)``
+    says which), outermost first: the loop that owns ``opt_d`` names it, not a
+    helper's ``opt`` parameter it was passed to. In each frame: its locals, its
+    ``self``'s attributes (as ``self.name``), its globals; names that start with
+    ``_`` are skipped. Within a frame the names its current line mentions come
+    first (``opt.step()`` after ``opt = opt_d``), then the order of the scopes:
+    deterministic for a program. Called once per optimizer, never per step: it
+    reads whole namespaces.
 
     Example:
         >>> import sys, torch
@@ -169,31 +171,34 @@ def optimizer_names(opt: torch.optim.Optimizer, frame: FrameType | None,
         >>> next(optimizer_names(opt_d, sys._getframe(), lambda f: False))
         'opt_d'
     """
-    seen: set[str] = set()
+    frames = []
     while frame is not None:
         if not library(frame.f_code.co_filename):
-            found: list[str] = []
-            local = frame.f_locals
-            scopes: list[tuple[str, Mapping[str, Any]]] = [("", local)]
-            me = local.get("self")
-            mine = getattr(me, "__dict__", None) if me is not None else None
-            if isinstance(mine, dict):
-                scopes.append(("self.", mine))
-            if frame.f_globals is not local:
-                scopes.append(("", frame.f_globals))
-            for prefix, scope in scopes:
-                for var, value in list(scope.items()):
-                    if isinstance(var, str) and not var.startswith("_") and holds(value, opt):
-                        name = prefix + var
-                        if name not in seen:
-                            seen.add(name)
-                            found.append(name)
-            if found:
-                line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-                # sorted() is stable: the mentioned names first, each group in order.
-                yield from sorted(found, key=lambda n: re.search(
-                    rf"(?<![\w.]){re.escape(n)}\b", line) is None)
+            frames.append(frame)
         frame = frame.f_back
+    seen: set[str] = set()
+    for frame in reversed(frames):
+        found: list[str] = []
+        local = frame.f_locals
+        scopes: list[tuple[str, Mapping[str, Any]]] = [("", local)]
+        me = local.get("self")
+        mine = getattr(me, "__dict__", None) if me is not None else None
+        if isinstance(mine, dict):
+            scopes.append(("self.", mine))
+        if frame.f_globals is not local:
+            scopes.append(("", frame.f_globals))
+        for prefix, scope in scopes:
+            for var, value in list(scope.items()):
+                if isinstance(var, str) and not var.startswith("_") and holds(value, opt):
+                    name = prefix + var
+                    if name not in seen:
+                        seen.add(name)
+                        found.append(name)
+        if found:
+            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+            # sorted() is stable: the mentioned names first, each group in order.
+            yield from sorted(found, key=lambda n: re.search(
+                rf"(?<![\w.]){re.escape(n)}\b", line) is None)
 
 
 def unique_label(names: Iterator[str], fallback: str, taken: Callable[[str], bool]) -> str:
