@@ -141,6 +141,7 @@ def test_self_attribute_and_lightning_like_wrapper() -> None:
     assert Loop().run() == ["self.critic_opt.step() #1"]
     inner = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     wrapped = Wrapper(inner)
+    assert wrapped._optimizer is inner
     assert list(optimizer_names(inner, sys._getframe(), lambda f: False))[:2] == \
         ["inner", "wrapped"]
 
