@@ -177,3 +177,18 @@ def test_ddp_module_is_dropped_from_names(tmp_path: Path) -> None:
         assert set(w.ledger.by_name) == {"D.0.weight", "D.0.bias", "D.2.weight", "D.2.bias"}
     finally:
         dist.destroy_process_group()
+
+
+def test_step_benchmark_runs_quick() -> None:
+    """benchmarks/step_names.py end to end (a smoke run: no timing is asserted)."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "step_names.py"), "--quick"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    lines = [ln for ln in p.stdout.splitlines() if "watch x" in ln]
+    assert [ln.split()[0] for ln in lines] == ["SGD", "Adam"]
+    assert all("watch_all x" in ln for ln in lines)
