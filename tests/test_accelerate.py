@@ -31,7 +31,7 @@ def test_accelerator_backward_is_predicted_with_the_users_lines():
     line = {text.strip(): start + i for i, text in enumerate(src)}
     h = e.value.report.hazards[0]
     assert h.tensor == "model.2.weight" and h.detected == "predicted"
-    assert h.modified_by[0].description == "SGD.step() #1"
+    assert h.modified_by[0].description == "opt.step() #1"
     assert h.modified_by[0].site.line == line["opt.step()  # the prepared optimizer wraps SGD: its step is still seen"]
     assert e.value.report.backward_site.line == line["accelerator.backward(loss)  # reuses the graph saved before the step"]
     assert len(w.reports) == 1

@@ -94,7 +94,7 @@ def test_hazard_exits_1_with_explanation_and_json(tmp_path: Path):
     assert r.returncode == 1, r.stderr
     assert "done" not in r.stdout
     assert "model.w3 saved by MulBackward0 was modified by an inplace operation" in r.stderr
-    assert f"SGD.step() #3 at train.py:{STEP1}" in r.stderr
+    assert f"optim.step() #3 at train.py:{STEP1}" in r.stderr
     assert "_watch/watcher.py" not in r.stderr and "Traceback" in r.stderr
     doc = json.loads((tmp_path / "out.json").read_text())
     assert doc["schema"] == "versionwatch.report/1" and doc["exit_status"] == 1
@@ -102,7 +102,7 @@ def test_hazard_exits_1_with_explanation_and_json(tmp_path: Path):
     assert (h["kind"], h["detected"], h["tensor"], h["saved_by"], h["slot"]) == (
         "inplace", "predicted", "model.w3", "MulBackward0", "other")
     assert (h["saved_version"], h["current_version"], h["shape"], h["dtype"]) == (1, 2, [1], "float32")
-    assert h["modified_by"] == [{"kind": "optimizer.step", "description": "SGD.step() #3",
+    assert h["modified_by"] == [{"kind": "optimizer.step", "description": "optim.step() #3",
                                  "file": "train.py", "line": STEP1, "versions": [1, 2]}]
     assert h["backward_site"] == {"file": "train.py", "line": BACKWARD2}
     assert "model.w3" in doc["timeline"]["columns"]
@@ -271,7 +271,7 @@ def test_demo_runs_in_four_steps(demo_plain: tuple[subprocess.CompletedProcess[s
         assert f"=== step {n}/4" in r.stdout
     assert "is at version 2; expected version 1 instead" in r.stdout
     assert "model.w3 saved by MulBackward0" in r.stdout
-    assert "SGD.step() #3 at versionwatch/_cli/demo.py" in r.stdout
+    assert "optim.step() #3 at versionwatch/_cli/demo.py" in r.stdout
     # It ends with the patch versionwatch fix verified, and the patched loop watched.
     step4 = r.stdout[r.stdout.index("=== step 4/4"):]
     assert "verified: one `optim.step()` after both backwards" in step4

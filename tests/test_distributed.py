@@ -75,12 +75,13 @@ def test_ddp_buffer_broadcast(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
                 assert "modified by an inplace operation" in r["real"]
                 assert r["modified_by"][0].startswith(
                     "DistributedDataParallel's buffer broadcast in forward #2 of model"), r
-            # Names: the module path as the user writes it, `module.` included, throughout.
-            assert r["columns"] and all(c.startswith("model.module.") for c in r["columns"])
+            # Names: the module path as the user writes it, DDP's `module.` dropped.
+            assert r["columns"] and all(c.startswith("model.") and ".module." not in c
+                                        for c in r["columns"])
         b = res["bumped"]
         assert b["predicted"] and b["real"] is not None, (rank, b)
         assert "modified by an inplace operation" in b["real"]
-        assert b["tensor"] == "model.module.1.running_mean"
+        assert b["tensor"] == "model.1.running_mean"
         assert b["modified_by"][-1] == (
             "DistributedDataParallel's buffer broadcast in forward #2 of model"), b
         for fix in ("broadcast_buffers=False", "SyncBatchNorm", "torch.cat"):
@@ -166,13 +167,13 @@ def test_torchrun_reports_per_rank_and_merge(tmp_path: Path) -> None:
     assert (r0["rank"], r0["world_size"], r1["rank"]) == (0, 2, 1)
     # rank 0 died of torchrun's SIGTERM after writing (its exit: the SIGTERM test below)
     assert (r0["exit_status"], r0["exception"], r0["ok"]) == (143, "terminated by SIGTERM", True)
-    assert r1["exit_status"] == 1 and r1["hazards"][0]["tensor"] == "model.module.2.weight"
+    assert r1["exit_status"] == 1 and r1["hazards"][0]["tensor"] == "model.2.weight"
 
     summary = merge([str(tmp_path / "report.rank1.json"), str(tmp_path / "report.rank0.json")])
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
     assert summary["hazards"][0]["ranks"] == [1]
     text = render_merged(summary)
-    assert "rank 1: inplace model.module.2.weight saved by AddmmBackward0.mat2" in text, text
+    assert "rank 1: inplace model.2.weight saved by AddmmBackward0.mat2" in text, text
     assert "only on rank 1" in text and "exit status: rank 0 143 (signal 15), rank 1 1" in text
     m = subprocess.run([sys.executable, "-m", "versionwatch", "merge", "report.rank0.json",
                         "report.rank1.json", "--json", "merged.json"], cwd=tmp_path,
@@ -370,7 +371,7 @@ def _doc(rank: int, status: int, hazards: list[dict[str, Any]],
 def test_merge_agreement_and_disagreement(tmp_path: Path) -> None:
     hazard = {"kind": "inplace", "tensor": "m.w", "saved_by": "MulBackward0", "slot": "other",
               "backward_site": {"file": "t.py", "line": 3},
-              "modified_by": [{"description": "SGD.step() #1"}]}
+              "modified_by": [{"description": "opt.step() #1"}]}
     paths = []
     for r in range(2):
         path = tmp_path / f"r{r}.json"
@@ -454,7 +455,7 @@ def test_merge_wrong_typed_fields_name_the_file_and_the_field(tmp_path: Path) ->
     """Issue #23, item 8: a wrong-typed field is bad input (one line, exit 2), not a crash."""
     hazard = {"kind": "inplace", "tensor": "m.w", "saved_by": "MulBackward0", "slot": "other",
               "backward_site": {"file": "t.py", "line": 3},
-              "modified_by": [{"description": "SGD.step() #1"}]}
+              "modified_by": [{"description": "opt.step() #1"}]}
     good = _doc(1, 1, [hazard], {"m.w": 2})
     (tmp_path / "r0.json").write_text(json.dumps(_doc(0, 1, [hazard], {"m.w": 2})))
     path = tmp_path / "r1.json"

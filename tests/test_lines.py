@@ -302,12 +302,12 @@ def test_parameter_changed_by_a_step_in_every_mode(tmp_path, monkeypatch, capsys
     step, back = line(STEP, "opt.step()"), line(STEP, "out.abs().mean().backward()")
     by_op = (f"saved by     MulBackward0.other at prog.py:{saved}: return s * self.w3 "
              f"(in m, during m.forward #1 called at prog.py:{call}, at version 0)")
-    stepped = {"kind": "optimizer.step", "description": "SGD.step() #1", "file": "prog.py",
+    stepped = {"kind": "optimizer.step", "description": "opt.step() #1", "file": "prog.py",
                "line": step, "versions": [0, 1]}
 
     status, err, h = run(tmp_path, monkeypatch, capsys, STEP, "--strict")
     assert status == 1
-    assert by_op in err and f"modified by  SGD.step() #1 at prog.py:{step}: opt.step()" in err
+    assert by_op in err and f"modified by  opt.step() #1 at prog.py:{step}: opt.step()" in err
     assert h["saved_at"] == at("prog.py", saved, "return s * self.w3")
     assert [(m["file"], m["line"]) for m in h["modified_by"]] == [("prog.py", step)]
 
@@ -317,7 +317,7 @@ def test_parameter_changed_by_a_step_in_every_mode(tmp_path, monkeypatch, capsys
     assert status == 1
     assert (f"saved by     MulBackward0.other in m, at version 0, during m.forward #1 at "
             f"prog.py:{call}") in err
-    assert f"modified by  SGD.step() #1 at prog.py:{step} (version 0 -> 1)" in err
+    assert f"modified by  opt.step() #1 at prog.py:{step} (version 0 -> 1)" in err
     assert f"backward at  prog.py:{back}" in err and HINT in err
     assert (h["module"], h["saved_during"]) == ("m", f"m.forward #1 at prog.py:{call}")
     assert h["saved_at"] is None and h["modified_by"] == [stepped]
@@ -329,7 +329,7 @@ def test_parameter_changed_by_a_step_in_every_mode(tmp_path, monkeypatch, capsys
     assert status == 1
     report = err.split("versionwatch: --replay: running the same command again")[1]
     assert by_op in report and HINT not in report
-    assert f"modified by  SGD.step() #1 at prog.py:{step} (version 0 -> 1): opt.step()" in report
+    assert f"modified by  opt.step() #1 at prog.py:{step} (version 0 -> 1): opt.step()" in report
     assert h["saved_at"] == at("prog.py", saved, "return s * self.w3")
     assert h["modified_by"] == [stepped] and h["notes"] == []
     assert "same hazard at backward #2" in h["replay"]

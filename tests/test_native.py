@@ -1086,7 +1086,7 @@ def test_the_ledger_reads_versions_through_a_version_set(ext: Any) -> None:
             model(x)  # sees the write: an event between, and a new layout
         assert w.ledger._layout is not layout and not moved(w.ledger._layout)
         rows = [ev.label for ev, _ in w.ledger.table([id(model.bias)])]
-    assert "(between SGD.step() #1 and forward #2)" in rows
+    assert "(between opt.step() #1 and forward #2)" in rows
 
 
 def test_the_self_test_is_not_seen_by_wrappers_of_check(ext: Any,

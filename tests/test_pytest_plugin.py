@@ -53,7 +53,7 @@ def test_opt_in_flag_watches_every_test(suite: pytest.Pytester):
     result.stdout.fnmatch_lines([
         "*InplaceModificationError: versionwatch: backward will fail: model.2.weight saved by "
         "AddmmBackward0 was modified by an inplace operation*",
-        "*modified by  SGD.step() #1 at test_suite.py:12*",
+        "*modified by  opt.step() #1 at test_suite.py:12*",
     ])
     assert "_watch/watcher.py" not in result.stdout.str()  # our frames are hidden
 

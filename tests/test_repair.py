@@ -247,9 +247,9 @@ def test_repair_is_recorded_and_copies_die_with_the_graph(strict: bool):
         (r,) = w.repairs
         weight = model[2].weight
         assert (r.tensor, r.nbytes, r.graph, r.before) == (
-            "model.2.weight", weight.numel() * 4, "forward #1", "SGD.step() #1")
+            "model.2.weight", weight.numel() * 4, "forward #1", "opt.step() #1")
         assert ("kept a copy of model.2.weight (64 B) for the graph of forward #1 before "
-                "SGD.step() #1 at ") in str(r) and "test_repair.py:" in str(r)
+                "opt.step() #1 at ") in str(r) and "test_repair.py:" in str(r)
         s = w.repair_summary()
         # Peak extra memory is the bytes of what was copied, and nothing else.
         assert s["peak_bytes"] == s["copied_bytes"] == s["held_bytes"] == weight.numel() * 4
@@ -259,7 +259,7 @@ def test_repair_is_recorded_and_copies_die_with_the_graph(strict: bool):
         gc.collect()
         assert w.repair_summary()["held_bytes"] == 0
         assert any(e.kind == "repair" for e in w.ledger.events)
-        assert "kept model.2.weight (64 B) before SGD.step() #1" in str(w.timeline())
+        assert "kept model.2.weight (64 B) before opt.step() #1" in str(w.timeline())
 
 
 def test_nothing_to_repair_is_bitwise_default_mode_and_copies_nothing():
@@ -392,7 +392,7 @@ def test_cli_run_repair_writes_repairs_to_json(tmp_path: Path):
     assert doc["ok"] and doc["repair_summary"]["repairs"] == 1
     (rep,) = doc["repairs"]
     assert (rep["tensor"], rep["before"], rep["file"], rep["line"]) == (
-        "model.2.weight", "SGD.step() #1", "train.py", 6)
+        "model.2.weight", "opt.step() #1", "train.py", 6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -313,7 +313,7 @@ def test_optimizer_step_between_forward_and_backward() -> None:
     firsts = [r.first for r in reports if r.first is not None]
     assert firsts and {h.cause for h in firsts} == {"checkpoint"}
     # x needs no grad: no weight is saved, but the block's tensors are made again from them.
-    assert firsts[0].notes[1].startswith("model.up.weight modified by SGD.step() #1 at ")
+    assert firsts[0].notes[1].startswith("model.up.weight modified by opt.step() #1 at ")
 
 
 def test_explicit_argument_written_after_the_forward_raises_as_plain() -> None:

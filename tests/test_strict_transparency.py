@@ -158,7 +158,7 @@ def test_data_write_after_a_step_that_raised_inside_is_reported(how: str):
     gradient it refuses), caught: a critic's ``p.data.mul_(0.5)`` after it is seen, by
     its own line. A group whose params broke strict mode's own check of the step
     (raised in the pre-hook, as the step would) left the step's label on the thread,
-    and the write was named ``SGD.step() #1 (mul_())``, as if the step had made it."""
+    and the write was named ``opt.step() #1 (mul_())``, as if the step had made it."""
     torch.manual_seed(0)
     critic = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     opt = (torch.optim.Adam if how == "sparse grad" else torch.optim.SGD)(
@@ -642,7 +642,7 @@ def test_strict_log_keeps_pytorchs_sentence_word_for_word(case: str):
 def test_a_write_after_a_step_whose_stop_at_write_callback_raised_is_named_by_its_line():
     """``stop_at_write`` with a callable policy that raises at the step's report: the
     raise leaves the step from its pre-hook, before strict mode marked it checked.
-    A write after it is the user's: it was named ``SGD.step() #1 (mul_())``."""
+    A write after it is the user's: it was named ``opt.step() #1 (mul_())``."""
     torch.manual_seed(0)
     critic = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(critic.parameters(), lr=0.1)
@@ -650,7 +650,7 @@ def test_a_write_after_a_step_whose_stop_at_write_callback_raised_is_named_by_it
 
     def policy(report: versionwatch.Report) -> None:
         seen.append(report)
-        if report.first.modified_by[0].description.startswith("SGD.step()"):
+        if report.first.modified_by[0].description.startswith("opt.step()"):
             raise LookupError("stop at the step")
 
     with versionwatch.watch(critic, opt, stop_at_write=True, on_hazard=policy):

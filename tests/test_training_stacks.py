@@ -91,7 +91,7 @@ def test_compile_inductor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
             h = seen[0].hazards[0]
             assert h.node == "CompiledFunctionBackward", h.node  # compiled nodes save too
             assert h.tensor == "compiled.2.weight"
-            assert [m.description for m in h.modified_by] == ["SGD.step() #1"]
+            assert [m.description for m in h.modified_by] == ["opt.step() #1"]
             assert h.torch_message is not None
             assert h.torch_message.split("Hint")[0] in str(got)
     finally:

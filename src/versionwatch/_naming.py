@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import linecache
+import re
 import sys
-from collections.abc import Mapping
-from typing import Union
+from collections.abc import Callable, Iterator, Mapping
+from types import FrameType
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -21,7 +24,7 @@ def module_tensors(module: nn.Module, prefix: str = "") -> dict[int, tuple[str, 
     ``named_parameters()`` reports it. Names are the ones users write: ``cm.weight``
     for ``torch.compile``'s ``cm._orig_mod.weight``.
     """
-    compiled = _compiled_paths(module)
+    compiled = _wrapper_paths(module)
     out: dict[int, tuple[str, torch.Tensor]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         out.setdefault(id(p), (prefix + _user_name(name, compiled), p))
@@ -43,27 +46,49 @@ def has_fsdp(module: nn.Module) -> bool:
     return any(hasattr(m, "_get_fsdp_state") for m in module.modules())
 
 
-def _compiled_paths(module: nn.Module) -> frozenset[str]:
-    """The paths (``enc._orig_mod``) of the modules that ``torch.compile`` wrapped."""
-    # Loaded by torch.compile itself: no OptimizedModule exists before.
-    frame = sys.modules.get("torch._dynamo.eval_frame")
-    cls = getattr(frame, "OptimizedModule", None)
-    if cls is None:
+# Wrappers whose wrapped module is one attribute away, by the module that
+# defines each class and the attribute: torch.compile's OptimizedModule
+# (``_orig_mod``), DistributedDataParallel and DataParallel (``module``), FSDP1
+# and the activation checkpoint wrapper (whose own state_dict hooks drop theirs).
+_WRAPPERS = (
+    ("torch._dynamo.eval_frame", "OptimizedModule", "_orig_mod"),
+    ("torch.nn.parallel.distributed", "DistributedDataParallel", "module"),
+    ("torch.nn.parallel.data_parallel", "DataParallel", "module"),
+    ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel",
+     "_fsdp_wrapped_module"),
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "ActivationWrapper",
+     "_checkpoint_wrapped_module"),
+)
+
+
+def _wrapper_paths(module: nn.Module) -> frozenset[str]:
+    """The paths (``enc._orig_mod``, ``D.module``) of wrapped modules under their wrappers."""
+    # Each class is looked up where it is defined, once its module is loaded:
+    # a program that never wraps imports nothing for us.
+    found: list[tuple[type, str]] = []
+    for where, name, attr in _WRAPPERS:
+        cls = getattr(sys.modules.get(where), name, None)
+        if isinstance(cls, type):
+            found.append((cls, attr))
+    if not found:
         return frozenset()
-    return frozenset(
-        f"{qual}._orig_mod" if qual else "_orig_mod"
-        for qual, sub in module.named_modules(remove_duplicate=False) if isinstance(sub, cls)
-    )
+    out = []
+    for qual, sub in module.named_modules(remove_duplicate=False):
+        for cls, attr in found:
+            if isinstance(sub, cls):
+                out.append(f"{qual}.{attr}" if qual else attr)
+    return frozenset(out)
 
 
-def _user_name(name: str, compiled: frozenset[str]) -> str:
-    # An OptimizedModule forwards attribute access to the module it wraps, so
-    # users write cm.weight: drop the _orig_mod segments of wrapped modules.
-    if not compiled or "_orig_mod" not in name:
+def _user_name(name: str, wrapped: frozenset[str]) -> str:
+    # A wrapper forwards attribute access (OptimizedModule) or is unwrapped by
+    # users (ddp.module), who write cm.weight and D.2.weight: drop the segments
+    # that lead from a wrapper to the module it wraps.
+    if not wrapped:
         return name
     parts = name.split(".")
     return ".".join(part for i, part in enumerate(parts)
-                    if part != "_orig_mod" or ".".join(parts[:i + 1]) not in compiled)
+                    if ".".join(parts[:i + 1]) not in wrapped)
 
 
 def resolve_names(names: Names | None) -> dict[int, str]:
@@ -102,3 +127,95 @@ def name_of(t: torch.Tensor, names: Mapping[int, str]) -> tuple[str | None, bool
         if name is not None:
             return name, True
     return None, False
+
+
+# Values that never wrap an optimizer: skipped before ``vars()``.
+_PLAIN = (int, float, str, bytes, bool, type(None), torch.Tensor, nn.Module, type)
+
+
+def holds(value: Any, opt: torch.optim.Optimizer) -> bool:
+    """``value`` is ``opt``, or a wrapper of it that keeps it in its instance dict.
+
+    Lightning's ``LightningOptimizer`` (``_optimizer``), Accelerate's
+    ``AcceleratedOptimizer`` (``optimizer``).
+    """
+    if value is opt:
+        return True
+    if isinstance(value, _PLAIN):
+        return False
+    try:
+        inner = object.__getattribute__(value, "__dict__")
+    except Exception:  # no instance dict (slots, builtins)
+        return False
+    if not isinstance(inner, dict):
+        return False
+    return inner.get("_optimizer") is opt or inner.get("optimizer") is opt
+
+
+def optimizer_names(opt: torch.optim.Optimizer, frame: FrameType | None,
+                    library: Callable[[str], bool]) -> Iterator[str]:
+    """The user's names for ``opt`` (``opt_d``, ``self.critic_opt``), best first.
+
+    The frames from ``frame`` up that lie outside the libraries (``library(filename)``
+    says which), outermost first: the loop that owns ``opt_d`` names it, not a
+    helper's ``opt`` parameter it was passed to. In each frame: its locals, its
+    ``self``'s attributes (as ``self.name``), its globals; names that start with
+    ``_`` are skipped. Within a frame the names its current line mentions come
+    first (``opt.step()`` after ``opt = opt_d``), then the order of the scopes:
+    deterministic for a program. Called once per optimizer, never per step: it
+    reads whole namespaces.
+
+    Example:
+        >>> import sys, torch
+        >>> opt_d = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> next(optimizer_names(opt_d, sys._getframe(), lambda f: False))
+        'opt_d'
+    """
+    frames = []
+    while frame is not None:
+        if not library(frame.f_code.co_filename):
+            frames.append(frame)
+        frame = frame.f_back
+    seen: set[str] = set()
+    for frame in reversed(frames):
+        found: list[str] = []
+        local = frame.f_locals
+        scopes: list[tuple[str, Mapping[str, Any]]] = [("", local)]
+        me = local.get("self")
+        mine = getattr(me, "__dict__", None) if me is not None else None
+        if isinstance(mine, dict):
+            scopes.append(("self.", mine))
+        if frame.f_globals is not local:
+            scopes.append(("", frame.f_globals))
+        for prefix, scope in scopes:
+            for var, value in list(scope.items()):
+                if isinstance(var, str) and not var.startswith("_") and holds(value, opt):
+                    name = prefix + var
+                    if name not in seen:
+                        seen.add(name)
+                        found.append(name)
+        if found:
+            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+            # sorted() is stable: the mentioned names first, each group in order.
+            yield from sorted(found, key=lambda n: re.search(
+                rf"(?<![\w.]){re.escape(n)}\b", line) is None)
+
+
+def unique_label(names: Iterator[str], fallback: str, taken: Callable[[str], bool]) -> str:
+    """The first of ``names`` not ``taken``, else the first numbered (``opt[1]``).
+
+    With no name at all, ``fallback`` (the class), numbered likewise: two
+    optimizers never share a label.
+    """
+    first = None
+    for name in names:
+        if not taken(name):
+            return name
+        first = first or name
+    base = first or fallback
+    if not taken(base):
+        return base
+    k = 1
+    while taken(f"{base}[{k}]"):
+        k += 1
+    return f"{base}[{k}]"

@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from versionwatch._compat import is_compiling
+from versionwatch._naming import optimizer_names, unique_label
 from versionwatch._package import PACKAGE_DIR
 from versionwatch._sites import is_library
 
@@ -463,37 +464,6 @@ def _blocked_norm(flat: torch.Tensor, block: int) -> float:
     return float(total ** 0.5)
 
 
-def _holds(value: Any, opt: torch.optim.Optimizer) -> bool:
-    """``value`` is ``opt``, or a wrapper of it (Lightning's ``LightningOptimizer``,
-    Accelerate's ``AcceleratedOptimizer``: ``.optimizer``, ``._optimizer``)."""
-    if value is opt:
-        return True
-    if isinstance(value, (int, float, str, bytes, type(None), torch.Tensor, nn.Module)):
-        return False
-    try:
-        inner = vars(value)
-    except TypeError:
-        return False
-    return inner.get("optimizer") is opt or inner.get("_optimizer") is opt
-
-
-def _optimizer_name(opt: torch.optim.Optimizer, frame: FrameType | None) -> str | None:
-    """The program's own name for ``opt`` (``opt_d``, ``self.critic_opt``), from its frames."""
-    while frame is not None:
-        if not _library(frame.f_code.co_filename):
-            for scope in (frame.f_locals, frame.f_globals):
-                for var, value in list(scope.items()):
-                    if _holds(value, opt):
-                        return str(var)
-            me = frame.f_locals.get("self")
-            if me is not None:
-                for var, value in list(getattr(me, "__dict__", {}).items()):
-                    if _holds(value, opt):
-                        return f"self.{var}"
-        frame = frame.f_back
-    return None
-
-
 class Tracker:
     """Counts and records the program's backwards; see the module's docstring."""
 
@@ -513,7 +483,7 @@ class Tracker:
         # id, and must not take its label or its count of steps.
         self.labels: weakref.WeakKeyDictionary[torch.optim.Optimizer, str] = \
             weakref.WeakKeyDictionary()
-        self.classes: dict[str, int] = {}
+        self.classes: set[str] = set()  # the class labels given (Adam, Adam[1]), dead or alive
         self.before: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self.names: dict[int, str] = {}  # the names found at the latest recorded backward
         self.step_log: list[dict[str, Any]] = []
@@ -586,12 +556,16 @@ class Tracker:
             # The program's own name where its frames hold the optimizer (the same
             # in the original and every patched run; two made by one line, one after
             # the other, share it and their steps), else its class, numbered.
-            label = _optimizer_name(opt, sys._getframe(1))
-            if label is None:
-                cls = type(opt).__name__
-                k = self.classes.get(cls, 0)
-                self.classes[cls] = k + 1
-                label = cls if k == 0 else f"{cls}[{k}]"
+            # The watcher's rule (versionwatch._naming), but a name is taken only by
+            # a live optimizer: one made again under the same name shares it (the
+            # same in the original and every patched run), while class labels
+            # (no variable holds it) stay numbered.
+            taken = {v for k, v in self.labels.items() if k is not opt} | self.classes
+            cls = type(opt).__name__
+            label = unique_label(optimizer_names(opt, sys._getframe(1), _library), cls,
+                                 taken.__contains__)
+            if label == cls or label.startswith(cls + "["):
+                self.classes.add(label)
             self.labels[opt] = label
         return label
 

@@ -576,7 +576,7 @@ class Repair:
         ...     loss.backward()  # the weight as the forward saw it
         >>> r = w.repairs[0]
         >>> r.tensor, r.nbytes, r.graph, r.before
-        ('model.weight', 8, 'forward #1', 'SGD.step() #1')
+        ('model.weight', 8, 'forward #1', 'opt.step() #1')
     """
 
     tensor: str

@@ -68,14 +68,20 @@ def group_ids(opt: Optimizer) -> list[int]:
 class OptimizerState:
     """What a watcher knows of one optimizer."""
 
-    __slots__ = ("label", "params", "pending", "ref", "steps", "zero_label")
+    __slots__ = ("label", "named", "params", "pending", "ref", "steps", "zero_label")
 
-    def __init__(self, opt: Optimizer, label: str) -> None:
+    def __init__(self, opt: Optimizer, label: str, named: bool = True) -> None:
         self.ref = weakref.ref(opt)
-        self.label = label
-        # The zero_grad event's label, by set_to_none (made once, not every step).
-        self.zero_label = (f"{label}.zero_grad(set_to_none=False)",
-                           f"{label}.zero_grad(set_to_none=True)")
+        self.relabel(label, named)
         self.steps = 0
         self.pending: PendingStep | None = None
         self.params: ParamCache | None = None
+
+    def relabel(self, label: str, named: bool = True) -> None:
+        """Name it ``label``; ``named=False``: a class label, to be looked for again once."""
+        self.label = label
+        # False while its first step or zero_grad may still find the user's variable.
+        self.named = named
+        # The zero_grad event's label, by set_to_none (made once, not every step).
+        self.zero_label = (f"{label}.zero_grad(set_to_none=False)",
+                           f"{label}.zero_grad(set_to_none=True)")

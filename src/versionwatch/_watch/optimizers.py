@@ -11,9 +11,11 @@ marks them as silent writes, which the next backward's prediction reads.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
+from itertools import chain
 from types import FrameType
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -24,9 +26,9 @@ from torch.optim import Optimizer
 from versionwatch import _strict
 from versionwatch._compat import seq_clock
 from versionwatch._ledger import Ledger, Tracked
-from versionwatch._naming import module_tensors
+from versionwatch._naming import module_tensors, optimizer_names, unique_label
 from versionwatch._report import Modification, Site
-from versionwatch._sites import site_from, user_site
+from versionwatch._sites import is_library, site_from, user_site
 from versionwatch._watch.active import _LOCAL
 from versionwatch._watch.optimizer_state import OptimizerState, ParamCache, PendingStep, group_ids
 
@@ -124,13 +126,33 @@ class OptimizerTracker:
         known = self.states.get(id(opt))
         if known is not None and known.ref() is opt:
             return known  # given twice: one optimizer, one label
-        cls = type(opt).__name__
-        # Numbered within its class: an AdamW is no Adam.
-        same = sum(1 for s in self.states.values()
-                   if s.label == cls or s.label.startswith(cls + "["))
-        state = OptimizerState(opt, cls if same == 0 else f"{cls}[{same}]")
+        label, named = self._label(opt, None)
+        # Given to watch() with no variable holding it (Lightning's callback
+        # passes trainer.optimizers): its first step looks again.
+        state = OptimizerState(opt, label, named or not explicit)
         self.states[id(opt)] = state
         return state
+
+    def _label(self, opt: Optimizer, state: OptimizerState | None) -> tuple[str, bool]:
+        """``opt``'s label, and whether it is the user's variable (``opt_d``), not its class.
+
+        Read from the frames that add it (``watch(model, opt_g, opt_d)``, or its
+        first step or zero_grad, where ``opt_d, opt_g = self.optimizers()``
+        holds Lightning's wrapper of it), never at every step. A name or class
+        another optimizer of this watcher has (a helper's ``opt`` parameter,
+        an optimizer made again each epoch) is numbered: ``opt[1]``, ``Adam[1]``.
+        """
+        labels = {s.label for s in self.states.values() if s is not state}
+        names = optimizer_names(opt, sys._getframe(2), is_library)
+        first = next(names, None)
+        if first is None:
+            return unique_label(iter(()), type(opt).__name__, labels.__contains__), False
+        return unique_label(chain((first,), names), "", labels.__contains__), True
+
+    def _name(self, opt: Optimizer, state: OptimizerState) -> None:
+        """At the first step or zero_grad of an optimizer added with no variable: look again."""
+        label, named = self._label(opt, state)
+        state.relabel(label if named else state.label)
 
     def find(self, opt: Optimizer) -> OptimizerState | None:
         """``opt``'s state, following it from now on if it steps a watched param; else None."""
@@ -210,6 +232,8 @@ class OptimizerTracker:
             state = self.find(opt)
         if state is None:
             return
+        if not state.named:
+            self._name(opt, state)
         if set_to_none:  # every .grad is None now
             # Until some zero_grad keeps grads, every mark is None or _NO_GRAD,
             # and both mean the same to on_step_pre: nothing to update.
@@ -240,6 +264,8 @@ class OptimizerTracker:
             return
         if state.pending is not None:  # the last step raised: its post-hook never ran
             self.ledger.end_step(state.pending.label)
+        if not state.named:
+            self._name(opt, state)
         state.steps += 1
         label = f"{state.label}.step() #{state.steps}"
         site = site_from(caller) if caller is not None else user_site()

@@ -510,7 +510,7 @@ def watch(
         ...         loss.backward()
         ...     except versionwatch.InplaceModificationError as e:
         ...         print(e.report.hazards[0].modified_by[0].description)
-        SGD.step() #1
+        opt.step() #1
     """
     if isinstance(modules, nn.Module):
         named = {_variable_name(modules, sys._getframe(1)): modules}

@@ -55,8 +55,11 @@ class VersionWatch(pl.Callback):
     optimizers) and closes it when fit ends, is torn down, or dies with an
     exception, so no patch or hook outlives the fit. Tensors are named from the
     module down, ``model.discriminator.2.weight``; each ``training_step`` call is
-    a ``training_step #n`` row of the timeline, and each optimizer is named after
-    its class in ``configure_optimizers`` order (``Adam``, ``Adam[1]``, ...).
+    a ``training_step #n`` row of the timeline. Each optimizer is named after the
+    variable that holds it at its first step (``opt_d`` of ``opt_g, opt_d =
+    self.optimizers()``, Lightning's wrapper of it), else after its class in
+    ``configure_optimizers`` order (``Adam``, ``Adam[1]``, ...: automatic
+    optimization steps it where no variable of yours holds it).
 
     Both ``Tensor.backward`` (automatic optimization) and ``manual_backward``
     (manual optimization) end in ``torch.autograd.backward``, which the watcher
