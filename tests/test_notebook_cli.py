@@ -97,7 +97,7 @@ def test_run_names_the_cells_and_json_has_them(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stderr
     err = done.stderr
     # The step of cell 3's line 6 changed what cell 2's line 10 saved; backward at line 9.
-    assert "modified by  SGD.step() #3 at Cell In[3], line 6: optim.step()" in err
+    assert "modified by  optim.step() #3 at Cell In[3], line 6: optim.step()" in err
     assert "backward at  Cell In[3], line 9" in err
     assert ("saved by     MulBackward0.other at Cell In[2], line 10: "
             "return s * self.w2, s * self.w3") in err
