@@ -216,7 +216,7 @@ def test_pytest_failure_is_short_and_names_the_tests_lines(pytester: pytest.Pyte
     assert len(lines) < 25, failure
     assert "test_seed.py:28: in test_seed_story" in failure
     assert "mse(y2_pred, y2).backward()" in failure
-    assert "modified by  SGD.step() #3 at test_seed.py:26" in failure
+    assert "modified by  optim.step() #3 at test_seed.py:26" in failure
     assert PYTEST_HINT in failure
     # Neither torch's Tensor.backward (its source, its docstring) nor our frames.
     assert "Computes the gradient" not in out and "torch/_tensor.py" not in out

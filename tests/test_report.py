@@ -248,7 +248,8 @@ def test_a_site_shows_its_path_relative_to_the_working_directory_when_read(tmp_p
                  dataclasses.replace(site)):
         assert back == site
         assert (back.file, back.line, back.code) == ("train.py", 7, "loss.backward()")
-    assert dataclasses.asdict(site) == {"file": "train.py", "line": 7, "code": "loss.backward()"}
+    assert dataclasses.asdict(site) == {"file": "train.py", "line": 7, "code": "loss.backward()",
+                                        "via": None}
     with pytest.raises(dataclasses.FrozenInstanceError):
         site.line = 8  # type: ignore[misc]
     (tmp_path / "doomed").mkdir()

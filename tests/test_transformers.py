@@ -123,7 +123,14 @@ def test_a_bug_in_the_users_block_names_its_lines(tmp_path: Path) -> None:
     assert h.modified_by[0].site.line == block["h.mul_(2)                              # the bug: sigmoid saved h"]
     assert report.backward_site is not None and report.backward_site.line == train
     assert report.backward_site.file.endswith("test_transformers.py")
-    assert "transformers/" not in str(report)
+    # transformers' own line comes after the user's, never instead of it.
+    via = report.backward_site.via
+    assert via is not None and via.file == "transformers/trainer.py", via
+    assert str(report.backward_site) == (
+        f"{report.backward_site.file}:{train} (via transformers/trainer.py:{via.line})")
+    assert all(line.split(" (via ")[0].count("transformers/") == 0
+               for line in str(report).splitlines() if "transformers/" in line
+               and not line.lstrip().startswith("pytorch")), str(report)
 
 
 def test_default_mode_gives_the_train_line_for_transformers_frames(tmp_path: Path) -> None:
@@ -146,9 +153,13 @@ def test_default_mode_gives_the_train_line_for_transformers_frames(tmp_path: Pat
     report = e.value.report
     text = str(report)
     assert report.backward_site is not None and report.backward_site.line == train
-    assert re.search(rf"during forward #1 at \S*test_transformers\.py:{train}\n", text)
-    assert "trainer.py" not in text and "modeling_gpt2" not in text
-    assert f"test_transformers.py:{train}" in text
+    # The user's train() line first, then the line of transformers' Trainer that called
+    # the model (and that ran the backward).
+    assert re.search(rf"during forward #1 at \S*test_transformers\.py:{train} "
+                     rf"\(via transformers/trainer\.py:\d+\)\n", text), text
+    assert re.search(rf"backward at +\S*test_transformers\.py:{train} "
+                     rf"\(via transformers/trainer\.py:\d+\)", text), text
+    assert report.to_json().count('"via": {"file": "transformers/trainer.py"') >= 2
 
 
 def test_clean_training_is_bitwise_the_same_and_reports_nothing(
@@ -218,6 +229,13 @@ def test_fused_adamw_silent_hazard_is_reported_only_when_real(tmp_path: Path, ca
     assert report.first.kind == "silent"
     assert "(fused: no version bump)" in str(report)
     assert hazards and Path(hazards[0].filename).name == "test_transformers.py"
+    # The write (the fused step) runs inside transformers' training loop: the user's
+    # train() line, then the Trainer's line that stepped.
+    [step] = [m for m in report.first.modified_by if "step()" in m.description]
+    assert step.site is not None and step.site.via is not None
+    assert step.site.via.file == "transformers/trainer.py"
+    assert re.search(r"modified by +\S+\.step\(\) #\d+ (\(fused: no version bump\) )?at \S*test_transformers\.py:\d+ "
+                     r"\(via transformers/trainer\.py:\d+\)", str(report)), str(report)
 
 
 def test_a_failed_train_is_closed_by_the_next_one(tmp_path: Path) -> None:

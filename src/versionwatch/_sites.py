@@ -48,16 +48,19 @@ _LIBRARY_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, PACK
 # project folder called "lightning" holds the user's own code.
 _LIBRARY_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate",
                      "transformers", "trl", "peft", "_pytest", "pluggy")
+# Of those, the ones whose innermost line a report gives after the user's ("via"):
+# Trainer-style libraries that call the user's model from their own loop.
+_VIA_PACKAGES = ("transformers", "trl", "peft")
 _LIBRARY_FILES = (os.path.abspath(contextlib.__file__),)
 # The bundled demo plays the user's part, so its lines are the ones to blame.
 _USER_FILES = (os.path.join(PACKAGE_DIR, "_cli", "demo.py"),)
 _is_library: dict[str, bool] = {}
 
 
-def _package_dirs() -> tuple[str, ...]:
+def _package_dirs(names: tuple[str, ...] = _LIBRARY_PACKAGES) -> tuple[str, ...]:
     """The folders of the training libraries imported so far."""
     dirs = []
-    for name in _LIBRARY_PACKAGES:
+    for name in names:
         module = sys.modules.get(name)
         for d in getattr(module, "__path__", None) or ():
             dirs.append(os.path.join(os.path.abspath(d), ""))
@@ -78,6 +81,18 @@ def is_library(filename: str) -> bool:
             or filename.startswith("<eval_with_key>")
         )
         _is_library[filename] = hit
+    return hit
+
+
+_is_via: dict[str, bool] = {}
+
+
+def is_via(filename: str) -> bool:
+    """Whether ``filename`` is a file of a library whose line a report shows after the user's."""
+    hit = _is_via.get(filename)
+    if hit is None:
+        hit = _is_via[filename] = os.path.abspath(filename).startswith(
+            _package_dirs(_VIA_PACKAGES))
     return hit
 
 
@@ -125,6 +140,7 @@ def site_from(frame: FrameType | None) -> Site | None:
     depend on how many of our frames lie between it and the code that asks.
     """
     known = _is_library
+    via: tuple[str, int] | None = None
     while frame is not None:
         # The walk and site_at's cache, inline: four of these a training step.
         filename = frame.f_code.co_filename
@@ -133,10 +149,49 @@ def site_from(frame: FrameType | None) -> Site | None:
             hit = is_library(filename)
         if not hit:
             line = frame.f_lineno
+            if via is not None:
+                return _site_via(filename, line, via)
             site = _SITES.get((filename, line))
             return site if site is not None else site_at(filename, line)
+        if via is None:
+            # A skipped frame: torch's and ours, a few a step, one cached lookup each.
+            through = _is_via.get(filename)
+            if through is None:
+                through = is_via(filename)
+            if through:
+                via = (filename, frame.f_lineno)
         frame = frame.f_back
     return None
+
+
+_VIA_SITES: dict[tuple[str, int, str, int], Site] = {}
+
+
+def _import_relative(filename: str) -> str:
+    """``filename`` relative to the longest ``sys.path`` entry it lies under, else as is."""
+    path = os.path.abspath(filename)
+    for root in sorted((p for p in sys.path if p), key=len, reverse=True):
+        root = os.path.join(os.path.abspath(root), "")
+        if path.startswith(root):
+            return path[len(root):]
+    return filename
+
+
+def _site_via(filename: str, line: int, via: tuple[str, int]) -> Site:
+    """The user's ``filename:line``, with the library line it called into as ``via``."""
+    key = (filename, line, *via)
+    site = _VIA_SITES.get(key)
+    if site is None:
+        if len(_VIA_SITES) > 4096:
+            _VIA_SITES.clear()
+        lib, lib_line = via
+        # A library's file reads relative to its import root (transformers/trainer.py),
+        # also where the venv lies under the working directory.
+        shown = _import_relative(lib)
+        site = Site(filename, line, linecache.getline(filename, line).strip(),
+                    via=Site(shown, lib_line, linecache.getline(lib, lib_line).strip()))
+        _VIA_SITES[key] = site
+    return site
 
 
 _STDLIB = tuple(os.path.join(os.path.abspath(p), "") for p in

@@ -52,7 +52,8 @@ class Timeline:
         return out
 
     def __str__(self) -> str:
-        body = [(ev.label, str(ev.site) if ev.site else "", cells) for ev, cells in self._cells()]
+        body = [(ev.label, ev.site.place() if ev.site else "", cells)
+                for ev, cells in self._cells()]
         w_ev = max([len("event")] + [len(b[0]) for b in body])
         w_site = max([len("at")] + [len(b[1]) for b in body])
         widths = [max(len(c), 4) for c in self.columns]

@@ -26,16 +26,22 @@ def _site(site: Site | None) -> dict[str, object] | None:
     if site is None:
         return None
     d: dict[str, object] = {"file": site.file, "line": site.line, "code": site.code}
-    cell = site.cell
-    if cell is not None:
-        d["cell"] = cell
+    d.update(_cell(site))
     return d
 
 
 def _cell(site: Site | None) -> dict[str, object]:
-    """``{"cell": 5}`` beside a site's path when its line is in notebook cell In[5]."""
-    cell = site.cell if site is not None else None
-    return {"cell": cell} if cell is not None else {}
+    """``{"cell": 5}`` beside a site's path when its line is in notebook cell In[5], and
+    ``{"via": {"file": ..., "line": ...}}`` when a training library made the event."""
+    if site is None:
+        return {}
+    out: dict[str, object] = {}
+    cell = site.cell
+    if cell is not None:
+        out["cell"] = cell
+    if site.via is not None:
+        out["via"] = {"file": site.via.file, "line": site.via.line}
+    return out
 
 
 def _modification(m: Modification) -> dict[str, object]:

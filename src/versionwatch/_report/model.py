@@ -127,6 +127,11 @@ class Site:
     ``file`` is shown relative to the working directory at the time it is
     read (else relative to the import root it lies under, else as given).
     Equal sites have the same line and code and show the same file.
+
+    ``via``: where the user's line called into a training library that then made
+    the event (Hugging Face's ``Trainer`` calling the model, a write in
+    transformers' own modeling code): that library's innermost line, shown after
+    the user's (``train.py:30 (via transformers/trainer.py:2209)``).
     """
 
     if TYPE_CHECKING:
@@ -135,6 +140,7 @@ class Site:
         file: _ShownPath = _ShownPath()  # a required field that reads as a str
     line: int
     code: str = ""
+    via: Site | None = field(default=None, repr=False)
 
     def __hash__(self) -> int:
         # Equal sites have equal lines and code, whatever the working directory.
@@ -145,11 +151,17 @@ class Site:
         """The notebook cell this line is in (``5`` for ``In[5]``), else ``None``."""
         return cell_of(self.__dict__["_path"])
 
-    def __str__(self) -> str:
+    def place(self) -> str:
+        """``file:line``, or ``Cell In[5], line 3`` in a notebook; without ``via``."""
         cell = self.cell
         if cell is not None:
             return f"Cell In[{cell}], line {self.line}"
         return f"{self.file}:{self.line}"
+
+    def __str__(self) -> str:
+        if self.via is not None:
+            return f"{self.place()} (via {self.via.place()})"
+        return self.place()
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ def add_root(module: nn.Module, watcher: ForwardWatcher, name: str) -> Subscript
     A container with no forward of its own (``nn.ModuleDict``, ``nn.ModuleList``)
     is never called: its members are, each a root of its own, as ``name.key``.
     """
-    if type(module).forward is nn.Module.forward:
+    if _is_container(module):
         return _add_members(module, watcher, name)
     place = _route_on(type(module)).subscribe()
     route: Route | None = None
@@ -136,6 +136,17 @@ def add_root(module: nn.Module, watcher: ForwardWatcher, name: str) -> Subscript
             place.remove()
 
     return Subscription(remove)
+
+
+def _is_container(module: nn.Module) -> bool:
+    """A module that cannot be called: no ``forward`` of its class or of its own.
+
+    ``torch.compile``'s ``OptimizedModule`` defines no ``forward`` in its class but
+    sets one on the instance (and keeps the compiled module as ``_orig_mod``): it is
+    called, so it is no container.
+    """
+    return (type(module).forward is nn.Module.forward
+            and "forward" not in vars(module) and not hasattr(module, "_orig_mod"))
 
 
 def _add_members(container: nn.Module, watcher: ForwardWatcher, name: str) -> Subscription:
