@@ -4,8 +4,9 @@ It owns the ``Watcher`` and its parts (forward recording, optimizer tracking, th
 backward pipeline, blame), the policy on a hazard (``policy``), which watchers are
 open (``active``), where the training loop's events enter (``intercept``, and
 ``forward`` for a root module's forward), freed graphs' carriers (``carrier``),
-backwards in flight on other threads (``inflight``), zero-code watching (``auto``)
-and the typed faces the interception points call (``protocols``).
+backwards in flight on other threads (``inflight``), zero-code watching (``auto``),
+a training library's closing summary (``summary``) and the typed faces the
+interception points call (``protocols``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from versionwatch._watch.policy import env_problem as env_problem
     from versionwatch._watch.policy import resolve_policy as resolve_policy
     from versionwatch._watch.protocols import OpenWatcher
+    from versionwatch._watch.summary import log_summary as log_summary
     from versionwatch._watch.watcher import Watcher as Watcher
     from versionwatch._watch.watcher import watch as watch
 
@@ -36,6 +38,7 @@ _WHERE = {
     "AutoWatcher": "versionwatch._watch.auto",
     "current": "versionwatch._watch.active",
     "env_problem": "versionwatch._watch.policy",
+    "log_summary": "versionwatch._watch.summary",
     "POLICIES": "versionwatch._watch.policy",
     "Policy": "versionwatch._watch.policy",
     "ReplayStop": "versionwatch._watch.backward",

@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
 from versionwatch._report import FreedGraphError, InplaceModificationError, Report, Site
 from versionwatch._sites import _short
 from versionwatch._timeline import Timeline
-from versionwatch._watch import Policy, Watcher, resolve_policy, watch
+from versionwatch._watch import Policy, Watcher, log_summary, resolve_policy, watch
 
 __all__ = ["VersionWatch"]
 
@@ -43,8 +43,6 @@ logger = logging.getLogger("versionwatch")
 
 # PyTorch's own phrase for a stale saved tensor (versionwatch's errors keep it too).
 _INPLACE_PHRASE = "modified by an inplace operation"
-# How many of the latest events the end-of-fit timeline shows when nothing went wrong.
-_TAIL = 24
 
 
 class VersionWatch(pl.Callback):
@@ -251,28 +249,7 @@ class VersionWatch(pl.Callback):
         return f"\n{timeline}"
 
     def _log_summary(self, w: Watcher) -> None:
-        hazards = len(w.reports)
-        backwards = w.backward_count
-        if hazards:
-            kept = w.reports.maxlen
-            count = f"{hazards}+" if kept is not None and hazards >= kept else str(hazards)
-            headline = str(w.reports[-1]).splitlines()[0].removeprefix("versionwatch: ")
-            logger.warning(
-                "versionwatch: fit ended; %d backward(s) predicted, %s with hazards; "
-                "the latest: %s\n%s", backwards, count, headline, w.timeline(),
-            )
-        else:
-            t = w.timeline()
-            tail = Timeline(t.columns, t.rows[-_TAIL:], t.saved)
-            # Not a bare "no hazard" where some saved tensors were not verified.
-            from versionwatch._report import unverified_summary
-
-            unsure = unverified_summary(w._backward_pipeline.unverified,
-                                        "VersionWatch(strict=True)")
-            logger.info(
-                "versionwatch: fit ended; %d backward(s) predicted, no hazard%s; "
-                "the latest events:\n%s", backwards, unsure, tail,
-            )
+        log_summary(logger, w, "fit ended", "VersionWatch(strict=True)")
 
 
 def _chain(exception: BaseException) -> Iterator[BaseException]:

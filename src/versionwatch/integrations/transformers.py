@@ -34,16 +34,12 @@ except ImportError as err:  # pragma: no cover - depends on what is installed
         "pip install 'versionwatch[transformers]' (or transformers)"
     ) from err
 
-from versionwatch._report import unverified_summary
-from versionwatch._timeline import Timeline
-from versionwatch._watch import Policy, Watcher, resolve_policy, watch
+from versionwatch._watch import Policy, Watcher, log_summary, resolve_policy, watch
 
 __all__ = ["VersionWatchCallback"]
 
 logger = logging.getLogger("versionwatch")
 
-# How many of the latest events the end-of-training timeline shows when nothing went wrong.
-_TAIL = 24
 # Callbacks whose watcher is open, closed at interpreter exit: Trainer tells its
 # callbacks nothing when train() dies with an exception (there is no on_exception).
 _OPEN: weakref.WeakSet[VersionWatchCallback] = weakref.WeakSet()
@@ -192,26 +188,7 @@ class VersionWatchCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
 
     # -- explaining ----------------------------------------------------------------------
     def _log_summary(self, w: Watcher) -> None:
-        hazards = len(w.reports)
-        backwards = w.backward_count
-        if hazards:
-            kept = w.reports.maxlen
-            count = f"{hazards}+" if kept is not None and hazards >= kept else str(hazards)
-            headline = str(w.reports[-1]).splitlines()[0].removeprefix("versionwatch: ")
-            logger.warning(
-                "versionwatch: train ended; %d backward(s) predicted, %s with hazards; "
-                "the latest: %s\n%s", backwards, count, headline, w.timeline(),
-            )
-        else:
-            t = w.timeline()
-            tail = Timeline(t.columns, t.rows[-_TAIL:], t.saved)
-            # Not a bare "no hazard" where some saved tensors were not verified.
-            unsure = unverified_summary(w._backward_pipeline.unverified,
-                                        "VersionWatchCallback(strict=True)")
-            logger.info(
-                "versionwatch: train ended; %d backward(s) predicted, no hazard%s; "
-                "the latest events:\n%s", backwards, unsure, tail,
-            )
+        log_summary(logger, w, "train ended", "VersionWatchCallback(strict=True)")
 
 
 def _unwrap(optimizer: object) -> torch.optim.Optimizer | None:
