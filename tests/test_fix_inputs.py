@@ -93,7 +93,7 @@ def test_runs_see_the_sys_path_of_plain_python(tmp_path: Path) -> None:
         assert "json.py of the working directory" not in said, (mode, said)
         assert done.returncode == 1, (mode, said)
         if mode == ["run", "--replay"]:
-            assert "come from a strict replay of the same command" in said, said
+            assert "the strict replay met the same hazard" in said, said
         if mode[0] == "fix":
             assert "verified: one `optim.step()` after both backwards" in done.stdout, said
             assert "standard input" not in said and "forked" not in said
