@@ -214,7 +214,7 @@ def test_eight_threads_each_training_its_own_model(strict: bool) -> None:
     assert any(stale is p for p in models[planted_on].parameters())
     # Blamed on its own thread's step, and every event names its thread.
     (m,) = h.modified_by
-    assert re.fullmatch(rf"SGD(\[\d\])?\.step\(\) #{planted_at + 1} on thread trainer-{planted_on}",
+    assert re.fullmatch(rf"opt(\[\d\])?\.step\(\) #{planted_at + 1} on thread trainer-{planted_on}",
                         m.description), m.description
     assert reports[0].thread == f"trainer-{planted_on}"
     assert f"on thread trainer-{planted_on}" in str(reports[0])

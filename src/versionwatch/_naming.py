@@ -194,11 +194,35 @@ def optimizer_names(opt: torch.optim.Optimizer, frame: FrameType | None,
                     if name not in seen:
                         seen.add(name)
                         found.append(name)
+        del scopes, me, mine
+        _drop_snapshot(frame, local)
+        del local
         if found:
             line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
             # sorted() is stable: the mentioned names first, each group in order.
             yield from sorted(found, key=lambda n: re.search(
                 rf"(?<![\w.]){re.escape(n)}\b", line) is None)
+
+
+# The flag of a function's code: its locals live in fast slots, and f_locals (before
+# Python 3.13) is a dict copied from them, kept on the frame.
+_CO_OPTIMIZED = 0x1
+
+
+def _drop_snapshot(frame: FrameType, local: Mapping[str, Any]) -> None:
+    """Empty the copy of a running function's locals that reading ``f_locals`` made.
+
+    Before Python 3.13 that copy stays on the frame and holds every local's value
+    as it was: a model the program then deletes (``del model`` in a sweep) would
+    live on in it. Emptied only when nothing but the frame holds it (a program's
+    own ``d = locals()`` keeps it whole); the next ``locals()``, debugger or tracer
+    refills it from the frame, as it would anyway.
+    """
+    if type(local) is not dict or not frame.f_code.co_flags & _CO_OPTIMIZED:
+        return  # a module's or class body's namespace, or 3.13's write-through view
+    # The frame's slot, ``local`` here, the caller's name and getrefcount's argument.
+    if sys.getrefcount(local) <= 4:
+        local.clear()
 
 
 def unique_label(names: Iterator[str], fallback: str, taken: Callable[[str], bool]) -> str:

@@ -145,8 +145,14 @@ def _is_container(module: nn.Module) -> bool:
     sets one on the instance (and keeps the compiled module as ``_orig_mod``): it is
     called, so it is no container.
     """
-    return (type(module).forward is nn.Module.forward
-            and "forward" not in vars(module) and not hasattr(module, "_orig_mod"))
+    # The class's own attribute, found without calling a descriptor: a ScriptModule's
+    # ``forward`` is one that fails when read from the class.
+    for klass in type(module).__mro__:
+        if "forward" in vars(klass):
+            if vars(klass)["forward"] is not nn.Module.forward:
+                return False
+            break
+    return "forward" not in vars(module) and "_orig_mod" not in vars(module).get("_modules", {})
 
 
 def _add_members(container: nn.Module, watcher: ForwardWatcher, name: str) -> Subscription:
