@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from versionwatch._package import PACKAGE_DIR
-from versionwatch._report import Site, relative_path
+from versionwatch._report import Site, import_relative, relative_path
 
 _LIBRARY_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, PACKAGE_DIR)
 # Frames of these packages are skipped too, so that GradScaler, Accelerate's
@@ -167,15 +167,6 @@ def site_from(frame: FrameType | None) -> Site | None:
 _VIA_SITES: dict[tuple[str, int, str, int], Site] = {}
 
 
-def _import_relative(filename: str) -> str:
-    """``filename`` relative to the longest ``sys.path`` entry it lies under, else as is."""
-    path = os.path.abspath(filename)
-    for root in sorted((p for p in sys.path if p), key=len, reverse=True):
-        root = os.path.join(os.path.abspath(root), "")
-        if path.startswith(root):
-            return path[len(root):]
-    return filename
-
 
 def _site_via(filename: str, line: int, via: tuple[str, int]) -> Site:
     """The user's ``filename:line``, with the library line it called into as ``via``."""
@@ -187,7 +178,7 @@ def _site_via(filename: str, line: int, via: tuple[str, int]) -> Site:
         lib, lib_line = via
         # A library's file reads relative to its import root (transformers/trainer.py),
         # also where the venv lies under the working directory.
-        shown = _import_relative(lib)
+        shown = import_relative(lib)
         site = Site(filename, line, linecache.getline(filename, line).strip(),
                     via=Site(shown, lib_line, linecache.getline(lib, lib_line).strip()))
         _VIA_SITES[key] = site

@@ -59,10 +59,16 @@ def relative_path(filename: str) -> str:
     if not rel.startswith(".."):
         return rel
     # Outside the working directory: relative to the import root (site-packages).
+    return import_relative(filename)
+
+
+def import_relative(filename: str) -> str:
+    """``filename`` relative to the longest ``sys.path`` entry it lies under, else as given."""
+    path = os.path.abspath(filename)
     for root in sorted((p for p in sys.path if p), key=len, reverse=True):
         root = os.path.join(os.path.abspath(root), "")
-        if filename.startswith(root):
-            return filename[len(root):]
+        if path.startswith(root):
+            return path[len(root):]
     return filename
 
 
